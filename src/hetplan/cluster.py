@@ -1,0 +1,248 @@
+"""Clusters: nodes of GPUs with their links and prices, from YAML or an inline string."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from hetplan.errors import InputError
+from hetplan.hardware import GPUType, get_gpu, gpu_from_mapping
+from hetplan.units import parse_bandwidth_bytes_per_s
+
+
+@dataclass(frozen=True)
+class Node:
+    """One machine: ``gpus`` GPUs of one type, an intra-node link and a network link."""
+
+    name: str
+    gpu: GPUType
+    gpus: int
+    intra_node_bytes_per_s: float
+    """Per GPU, per direction, to GPUs of the same node."""
+    network_bytes_per_s: float
+    """Per node, per direction, to other nodes."""
+    usd_per_gpu_hour: float | None
+    """Price per GPU-hour; None where unknown."""
+
+    def __post_init__(self) -> None:
+        if self.gpus <= 0:
+            raise InputError(f"nodes.{self.name}.gpus", "must be a positive integer")
+
+    def devices(self) -> list[str]:
+        """Returns the device names of this node ('name:0', 'name:1', ...)."""
+        return [f"{self.name}:{i}" for i in range(self.gpus)]
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """A set of nodes; devices are named 'node:index'."""
+
+    nodes: tuple[Node, ...]
+    gpu_types: dict[str, GPUType] = field(default_factory=dict)
+    """User-defined GPU types, by name."""
+
+    def __post_init__(self) -> None:
+        if not self.nodes:
+            raise InputError("nodes", "the cluster has no nodes")
+        seen: set[str] = set()
+        for node in self.nodes:
+            if node.name in seen:
+                raise InputError("nodes", f"node name {node.name!r} appears twice")
+            seen.add(node.name)
+
+    def node(self, name: str) -> Node:
+        """Returns the node called ``name``."""
+        node = self.node_or_none(name)
+        if node is None:
+            raise InputError("node", f"no node named {name!r} in the cluster")
+        return node
+
+    def device_node(self, device: str) -> Node:
+        """Returns the node holding ``device`` ('node:index'), checking the index."""
+        name, _, index = device.rpartition(":")
+        if not name or not index.isdigit():
+            raise InputError("devices", f"{device!r} is not of the form 'node:index'")
+        node = self.node_or_none(name)
+        if node is None:
+            raise InputError("devices", f"{device!r} names node {name!r}, not in the cluster")
+        if int(index) >= node.gpus:
+            raise InputError("devices", f"{device!r}: node {name} has only {node.gpus} GPUs")
+        return node
+
+    def node_or_none(self, name: str) -> Node | None:
+        """Returns the node called ``name``, or None."""
+        return self._by_name.get(name)
+
+    @cached_property
+    def _by_name(self) -> dict[str, Node]:
+        return {n.name: n for n in self.nodes}
+
+    def devices(self) -> Iterator[str]:
+        """Yields every device name, node by node."""
+        for node in self.nodes:
+            yield from node.devices()
+
+    @property
+    def num_gpus(self) -> int:
+        """Returns the number of GPUs in the cluster."""
+        return sum(n.gpus for n in self.nodes)
+
+    def gpu_types_used(self) -> list[GPUType]:
+        """Returns the distinct GPU types of the nodes, in order of appearance."""
+        out: dict[str, GPUType] = {}
+        for node in self.nodes:
+            out.setdefault(node.gpu.name, node.gpu)
+        return list(out.values())
+
+    def is_homogeneous(self) -> bool:
+        """Returns whether every node has the same GPU type, GPU count and links."""
+        first = self.nodes[0]
+        return all(
+            (n.gpu.name, n.gpus, n.intra_node_bytes_per_s, n.network_bytes_per_s)
+            == (first.gpu.name, first.gpus, first.intra_node_bytes_per_s, first.network_bytes_per_s)
+            for n in self.nodes
+        )
+
+    def usd_per_hour(self) -> float | None:
+        """Returns the cluster's price per hour, or None if any node's price is unknown."""
+        total = 0.0
+        for node in self.nodes:
+            if node.usd_per_gpu_hour is None:
+                return None
+            total += node.usd_per_gpu_hour * node.gpus
+        return total
+
+    def without_nodes(self, names: set[str]) -> Cluster:
+        """Returns the cluster less the named nodes."""
+        return Cluster(tuple(n for n in self.nodes if n.name not in names), self.gpu_types)
+
+
+_NODE_KEYS = {
+    "name",
+    "gpu",
+    "gpus",
+    "count",
+    "intra_node_bandwidth",
+    "network_bandwidth",
+    "price_per_gpu_hour",
+}
+
+
+def _node_entries(entry: dict[str, Any], index: int, types: dict[str, GPUType]) -> list[Node]:
+    where = f"nodes[{index}]"
+    if not isinstance(entry, dict):
+        raise InputError(where, "each node must be a mapping with at least 'gpu' and 'gpus'")
+    unknown = set(entry) - _NODE_KEYS
+    if unknown:
+        raise InputError(
+            f"{where}.{sorted(unknown)[0]}", f"unknown key (allowed: {sorted(_NODE_KEYS)})"
+        )
+    if "gpu" not in entry:
+        raise InputError(f"{where}.gpu", "required")
+    gpu = get_gpu(str(entry["gpu"]), types, field=f"{where}.gpu")
+    gpus = entry.get("gpus", 8)
+    if not isinstance(gpus, int) or isinstance(gpus, bool) or gpus <= 0:
+        raise InputError(f"{where}.gpus", f"expected a positive integer, got {gpus!r}")
+    count = entry.get("count", 1)
+    if not isinstance(count, int) or isinstance(count, bool) or count <= 0:
+        raise InputError(f"{where}.count", f"expected a positive integer, got {count!r}")
+    intra = (
+        parse_bandwidth_bytes_per_s(entry["intra_node_bandwidth"], f"{where}.intra_node_bandwidth")
+        if "intra_node_bandwidth" in entry
+        else gpu.intra_node_bytes_per_s
+    )
+    net = (
+        parse_bandwidth_bytes_per_s(entry["network_bandwidth"], f"{where}.network_bandwidth")
+        if "network_bandwidth" in entry
+        else gpu.network_bytes_per_s
+    )
+    price = entry.get("price_per_gpu_hour", gpu.on_demand_usd_per_hour)
+    if price is not None and (
+        isinstance(price, bool) or not isinstance(price, int | float) or price < 0
+    ):
+        raise InputError(f"{where}.price_per_gpu_hour", f"expected a price >= 0, got {price!r}")
+    base = str(entry.get("name") or _slug(gpu.name))
+    if not re.fullmatch(r"[A-Za-z0-9_.\-]+", base):
+        raise InputError(f"{where}.name", f"{base!r}: use letters, digits, '-', '_' and '.'")
+    names = [base] if count == 1 and "name" in entry else [f"{base}-{i}" for i in range(count)]
+    return [Node(n, gpu, gpus, intra, net, None if price is None else float(price)) for n in names]
+
+
+def _slug(name: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+
+
+def cluster_from_dict(data: Any) -> Cluster:
+    """Returns the Cluster described by a parsed cluster file."""
+    if not isinstance(data, dict):
+        raise InputError("cluster", "the file must hold a mapping with a 'nodes' list")
+    unknown = set(data) - {"nodes", "gpu_types", "storage_bandwidth"}
+    if unknown:
+        raise InputError(sorted(unknown)[0], "unknown top-level key (nodes, gpu_types)")
+    types: dict[str, GPUType] = {}
+    raw_types = data.get("gpu_types") or {}
+    if not isinstance(raw_types, dict):
+        raise InputError("gpu_types", "must be a mapping of name to figures")
+    for name, spec in raw_types.items():
+        if not isinstance(spec, dict):
+            raise InputError(f"gpu_types.{name}", "must be a mapping of figures")
+        types[str(name)] = gpu_from_mapping(str(name), spec, f"gpu_types.{name}")
+    entries = data.get("nodes")
+    if not isinstance(entries, list) or not entries:
+        raise InputError("nodes", "required: a non-empty list of nodes")
+    nodes: list[Node] = []
+    counters: dict[str, int] = {}
+    for i, entry in enumerate(entries):
+        for node in _node_entries(entry, i, types):
+            if isinstance(entry, dict) and "name" not in entry:
+                # unnamed entries of one type share a numbering: a100-80gb-0, a100-80gb-1, ...
+                base = _slug(node.gpu.name)
+                k = counters.get(base, 0)
+                counters[base] = k + 1
+                node = Node(
+                    f"{base}-{k}",
+                    node.gpu,
+                    node.gpus,
+                    node.intra_node_bytes_per_s,
+                    node.network_bytes_per_s,
+                    node.usd_per_gpu_hour,
+                )
+            nodes.append(node)
+    return Cluster(tuple(nodes), types)
+
+
+def parse_inline_cluster(text: str) -> Cluster:
+    """Returns the Cluster of 'A100-80GB:4x8,V100-32GB:2x8' (type:nodes x GPUs per node)."""
+    entries = []
+    for part in text.split(","):
+        match = re.fullmatch(r"\s*(.+?)\s*:\s*(\d+)\s*[xX]\s*(\d+)\s*", part)
+        if match is None:
+            raise InputError(
+                "--cluster", f"{part.strip()!r} is not TYPE:NODESxGPUS (e.g. A100-80GB:4x8)"
+            )
+        entries.append(
+            {"gpu": match.group(1), "count": int(match.group(2)), "gpus": int(match.group(3))}
+        )
+    return cluster_from_dict({"nodes": entries})
+
+
+def load_cluster(spec: str) -> Cluster:
+    """Returns the Cluster from a YAML file path or an inline 'TYPE:NxG,...' string."""
+    path = Path(spec)
+    if path.suffix.lower() in {".yaml", ".yml", ".json"} or path.exists():
+        try:
+            data = yaml.safe_load(path.read_text())
+        except OSError as exc:
+            raise InputError("--cluster", f"cannot read {spec}: {exc.strerror}") from None
+        except yaml.YAMLError as exc:
+            mark = getattr(exc, "problem_mark", None)
+            where = f" at line {mark.line + 1}" if mark is not None else ""
+            raise InputError("--cluster", f"{spec} is not valid YAML{where}") from None
+        return cluster_from_dict(data)
+    return parse_inline_cluster(spec)

@@ -1,0 +1,1 @@
+"""The one cost model: compute, memory, communication and schedule terms, and estimate()."""

@@ -1,0 +1,90 @@
+"""Alpha-beta collectives on the links a group actually crosses.
+
+A collective over devices on several nodes runs hierarchically (as NCCL does): inside
+each node over the intra-node link, across nodes over the node's network link, which
+is shared by every device of the node that communicates across nodes at the same time.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+
+from hetplan.cluster import Node
+from hetplan.cost.params import CostParams
+
+
+def ring_allreduce_bytes(size_bytes: float, n: int) -> float:
+    """Returns the bytes each member sends in a ring all-reduce of ``size_bytes``."""
+    return 2.0 * (n - 1) / n * size_bytes if n > 1 else 0.0
+
+
+def intra_node_allreduce_s(size_bytes: float, n: int, node: Node, params: CostParams) -> float:
+    """Returns a ring all-reduce time among ``n`` GPUs of one node."""
+    if n <= 1:
+        return 0.0
+    bw = node.intra_node_bytes_per_s * params.link_efficiency
+    return ring_allreduce_bytes(size_bytes, n) / bw + 2 * (n - 1) * params.intra_latency_s
+
+
+def intra_node_allgather_s(size_bytes: float, n: int, node: Node, params: CostParams) -> float:
+    """Returns a ring all-gather (or reduce-scatter) time of ``size_bytes`` among ``n`` GPUs."""
+    return intra_node_allreduce_s(size_bytes, n, node, params) / 2.0
+
+
+def group_allreduce_s(
+    size_bytes: float,
+    members: Sequence[Node],
+    params: CostParams,
+    node_concurrency: dict[str, int] | None = None,
+    volume: float = 1.0,
+) -> float:
+    """Returns the time of a hierarchical all-reduce of ``size_bytes`` among ``members``.
+
+    ``members`` lists each participant's node (one entry per device). ``node_concurrency``
+    gives, per node name, how many of its devices talk across nodes at the same time (they
+    share its network link); default: this group's own members on the node. ``volume``
+    scales the traffic (0.5 for an all-gather or a reduce-scatter alone, 1.5 for ZeRO-3).
+    """
+    n = len(members)
+    if n <= 1 or size_bytes <= 0:
+        return 0.0
+    per_node = Counter(m.name for m in members)
+    nodes = {m.name: m for m in members}
+    if len(per_node) == 1:
+        node = members[0]
+        return volume * intra_node_allreduce_s(size_bytes, n, node, params)
+    k = min(per_node.values())
+    intra = 0.0
+    if k > 1:
+        intra = max(
+            intra_node_allreduce_s(size_bytes, c, nodes[name], params)
+            for name, c in per_node.items()
+        )
+    num_nodes = len(per_node)
+    shard = size_bytes / k
+    conc = node_concurrency or {}
+    share = min(
+        nodes[name].network_bytes_per_s / max(conc.get(name, local), 1)
+        for name, local in per_node.items()
+    )
+    inter = ring_allreduce_bytes(shard, num_nodes) / (share * params.link_efficiency)
+    latency = 2 * (num_nodes - 1) * params.inter_latency_s
+    return volume * (intra + inter + latency)
+
+
+def p2p_s(
+    size_bytes: float, src: Node, dst: Node, params: CostParams, concurrency: int = 1
+) -> float:
+    """Returns the time to send ``size_bytes`` from a device on ``src`` to one on ``dst``.
+
+    ``concurrency`` devices of the node send at once over its network link.
+    """
+    if size_bytes <= 0:
+        return 0.0
+    if src.name == dst.name:
+        return size_bytes / (src.intra_node_bytes_per_s * params.link_efficiency) + (
+            params.intra_latency_s
+        )
+    bw = min(src.network_bytes_per_s, dst.network_bytes_per_s) * params.link_efficiency
+    return size_bytes * concurrency / bw + params.inter_latency_s

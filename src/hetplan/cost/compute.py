@@ -1,0 +1,142 @@
+"""Compute time of layers on one GPU: matmuls at shape-dependent efficiency, elementwise
+kernels at memory bandwidth, plus a per-kernel launch cost."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+from hetplan.cost.params import GPUEfficiency
+from hetplan.hardware import GPUType
+from hetplan.model import ModelSpec
+
+
+def gemm_efficiency(eff: GPUEfficiency, m: float, k: float, n: float) -> float:
+    """Returns the fraction of peak a (m x k) @ (k x n) matmul reaches."""
+    smallest = min(m, k, n)
+    return eff.gemm_max * smallest / (smallest + eff.gemm_half_dim)
+
+
+def gemm_time_s(
+    eff: GPUEfficiency, peak_flops: float, m: float, k: float, n: float, batch: float = 1.0
+) -> float:
+    """Returns the time of ``batch`` (m x k) @ (k x n) matmuls."""
+    flops = 2.0 * m * k * n * batch
+    return flops / (peak_flops * gemm_efficiency(eff, m, k, n))
+
+
+@dataclass(frozen=True)
+class LayerTimes:
+    """Per micro-batch compute times of one piece of the model, in seconds."""
+
+    forward_s: float
+    backward_s: float
+    """Backward without recomputation."""
+    selective_recompute_s: float
+    """Forward work redone under selective recomputation (attention core)."""
+
+
+def _bytes_per_element(precision: str) -> int:
+    return 4 if precision == "fp32" else 2
+
+
+@lru_cache(maxsize=65536)
+def layer_times(
+    model: ModelSpec,
+    gpu: GPUType,
+    eff: GPUEfficiency,
+    tp: int,
+    micro_batch: int,
+    precision: str,
+    flash_attention: bool,
+) -> LayerTimes:
+    """Returns the compute times of one transformer layer for one micro-batch on one TP rank."""
+    peak = gpu.peak_flops(precision)
+    s, h, kv, f, a, dh = (
+        model.seq,
+        model.hidden,
+        model.kv_dim,
+        model.ffn,
+        model.heads,
+        model.head_dim,
+    )
+    tokens = float(micro_batch * s)
+    e = _bytes_per_element(precision)
+    # weight matmuls, forward: qkv, output projection, MLP
+    mlp_in = (2 if model.gated else 1) * f / tp
+    fwd_gemm = (
+        gemm_time_s(eff, peak, tokens, h, (h + 2 * kv) / tp)
+        + gemm_time_s(eff, peak, tokens, h / tp, h)
+        + gemm_time_s(eff, peak, tokens, h, mlp_in)
+        + gemm_time_s(eff, peak, tokens, f / tp, h)
+    )
+    heads_local = micro_batch * a / tp
+    attn_gemm = gemm_time_s(eff, peak, s, dh, s, heads_local) + gemm_time_s(
+        eff, peak, s, s, dh, heads_local
+    )
+    # elementwise traffic (bytes), forward: norms, residuals, activation, dropout, rope
+    drop = 1.0 if model.dropout else 0.0
+    elem = tokens * h * e * (2 * 2 + 2 * 3)  # two norms (r+w), two residual adds (2r+w)
+    elem += tokens * h * drop * 3 * (2 * e + 1)  # three dropouts: read, write, mask
+    if model.gated:
+        elem += tokens * f / tp * e * 3  # silu(gate) * up: two reads, one write
+    else:
+        elem += tokens * f / tp * e * 2  # bias + gelu: read, write
+    if not model.gated:
+        elem += tokens * (h + 2 * kv) / tp * e * 2  # qkv bias
+    else:
+        elem += tokens * (h + kv) / tp * e * 2 * 2  # rotary on q and k
+    scores = heads_local * s * s
+    if flash_attention:
+        attn_elem = 0.0
+        # the fused kernel keeps scores on chip; its matmuls run at a lower efficiency
+        attn_gemm *= 1.25
+    else:
+        attn_elem = scores * (e * 2 * 2 + drop * (2 * e + 1))  # scale+mask+softmax, dropout
+    mem_bw = gpu.hbm_bytes_per_s * eff.mem_efficiency
+    kernels = 14 + (4 if model.dropout else 0) + (2 if model.gated else 0)
+    launch = kernels * eff.kernel_overhead_s
+    fwd = fwd_gemm + attn_gemm + (elem + attn_elem) / mem_bw + launch
+    # backward: two matmuls per forward matmul, about twice the elementwise traffic
+    bwd = 2 * (fwd_gemm + attn_gemm) + 2 * (elem + attn_elem) / mem_bw + 2 * launch
+    selective = attn_gemm + attn_elem / mem_bw
+    return LayerTimes(fwd, bwd, selective)
+
+
+@lru_cache(maxsize=65536)
+def embedding_times(
+    model: ModelSpec, gpu: GPUType, eff: GPUEfficiency, tp: int, micro_batch: int, precision: str
+) -> LayerTimes:
+    """Returns the compute times of the input embedding for one micro-batch."""
+    e = _bytes_per_element(precision)
+    tokens = float(micro_batch * model.seq)
+    traffic = tokens * model.hidden * e * (3 if model.family == "gpt" else 2)
+    mem_bw = gpu.hbm_bytes_per_s * eff.mem_efficiency
+    fwd = traffic / mem_bw + 3 * eff.kernel_overhead_s
+    return LayerTimes(fwd, 2 * fwd, 0.0)
+
+
+@lru_cache(maxsize=65536)
+def head_times(
+    model: ModelSpec, gpu: GPUType, eff: GPUEfficiency, tp: int, micro_batch: int, precision: str
+) -> LayerTimes:
+    """Returns the compute times of the final norm, output head and loss for one micro-batch."""
+    peak = gpu.peak_flops(precision)
+    e = _bytes_per_element(precision)
+    tokens = float(micro_batch * model.seq)
+    gemm = gemm_time_s(eff, peak, tokens, model.hidden, model.vocab / tp)
+    # norm, then the vocab-parallel cross-entropy on fp32 logits (max, exp-sum, gather)
+    traffic = tokens * model.hidden * e * 2 + tokens * model.vocab / tp * (e + 4 * 3)
+    mem_bw = gpu.hbm_bytes_per_s * eff.mem_efficiency
+    fwd = gemm + traffic / mem_bw + 6 * eff.kernel_overhead_s
+    return LayerTimes(fwd, 2 * gemm + 2 * traffic / mem_bw + 12 * eff.kernel_overhead_s, 0.0)
+
+
+def optimizer_time_s(
+    params_local: float, gpu: GPUType, eff: GPUEfficiency, precision: str
+) -> float:
+    """Returns the Adam step time for ``params_local`` parameters (memory-bound)."""
+    # read fp32 grad, master, m, v; write master, m, v and the low-precision copy
+    e = _bytes_per_element(precision)
+    traffic = params_local * (4 * 4 + 4 * 3 + (e if precision != "fp32" else 0))
+    return traffic / (gpu.hbm_bytes_per_s * eff.mem_efficiency)

@@ -1,0 +1,423 @@
+"""estimate(plan, model, cluster): the one cost model every search and report shares."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from itertools import pairwise
+from typing import Any, Protocol
+
+from hetplan.cluster import Cluster, Node
+from hetplan.cost import comm
+from hetplan.cost.compute import (
+    LayerTimes,
+    embedding_times,
+    head_times,
+    layer_times,
+    optimizer_time_s,
+)
+from hetplan.cost.memory import (
+    MemoryBreakdown,
+    stage_activation_bytes,
+    stage_params,
+    state_bytes,
+    zero3_working_bytes,
+)
+from hetplan.cost.params import CostParams, default_params
+from hetplan.cost.schedule import Replay, peak_in_flight, pipeline_replay, replay
+from hetplan.hardware import GPUType
+from hetplan.model import ModelSpec
+from hetplan.plan import Plan, validate_plan
+
+
+class LayerTimeSource(Protocol):
+    """Measured per-layer times (a profile database), consulted before the analytical model."""
+
+    def layer_times(
+        self, gpu: GPUType, model: ModelSpec, tp: int, micro_batch: int, precision: str
+    ) -> LayerTimes | None:
+        """Returns measured times of one transformer layer, or None if not profiled."""
+        ...
+
+
+@dataclass
+class StageEstimate:
+    """One stage of one pipeline: per-micro-batch times, memory, and its end of iteration."""
+
+    pipeline: int
+    stage: int
+    devices: tuple[str, ...]
+    gpu: str
+    layers: int
+    forward_s: float
+    backward_s: float
+    recompute_s: float
+    tp_comm_s: float
+    """Tensor-parallel collectives per micro-batch (forward, backward and recompute)."""
+    send_s: float
+    """Sending one micro-batch's activations to the next stage."""
+    memory: MemoryBreakdown
+    capacity_bytes: float
+    grad_sync_s: float = 0.0
+    optimizer_s: float = 0.0
+    busy_s: float = 0.0
+    last_backward_end_s: float = 0.0
+    sync_end_s: float = 0.0
+    end_s: float = 0.0
+
+    @property
+    def per_micro_batch_s(self) -> float:
+        """Returns the stage's time for one micro-batch, forward and backward."""
+        return self.forward_s + self.backward_s + self.recompute_s + self.tp_comm_s
+
+    @property
+    def headroom_bytes(self) -> float:
+        """Returns free memory at the peak (negative if it does not fit)."""
+        return self.capacity_bytes - self.memory.total
+
+
+@dataclass
+class Estimate:
+    """Predicted iteration time, memory, throughput and price of one plan."""
+
+    iteration_time_s: float
+    breakdown: dict[str, float]
+    stages: list[StageEstimate]
+    pipeline_times_s: list[float]
+    fits: bool
+    tokens_per_s: float
+    tflops_per_gpu: float
+    hardware_tflops_per_gpu: float
+    mfu: float
+    cost_usd_per_hour: float | None
+    usd_per_million_tokens: float | None
+    compute_source: str
+    bottleneck: str
+    replays: list[Replay] = field(default_factory=list, repr=False)
+
+    @property
+    def peak_memory_bytes(self) -> dict[str, float]:
+        """Returns peak bytes per device name."""
+        return {d: s.memory.total for s in self.stages for d in s.devices}
+
+    def to_json(self) -> dict[str, Any]:
+        """Returns the JSON object the CLI prints."""
+        return {
+            "iteration_time_s": self.iteration_time_s,
+            "tokens_per_s": self.tokens_per_s,
+            "tflops_per_gpu": self.tflops_per_gpu,
+            "hardware_tflops_per_gpu": self.hardware_tflops_per_gpu,
+            "mfu": self.mfu,
+            "fits": self.fits,
+            "peak_memory_gb": {d: round(b / 1e9, 4) for d, b in self.peak_memory_bytes.items()},
+            "cost_usd_per_hour": self.cost_usd_per_hour,
+            "usd_per_million_tokens": self.usd_per_million_tokens,
+            "breakdown": self.breakdown,
+            "pipeline_times_s": self.pipeline_times_s,
+            "compute_source": self.compute_source,
+            "bottleneck": self.bottleneck,
+        }
+
+
+def _elem_bytes(precision: str) -> int:
+    return 4 if precision == "fp32" else 2
+
+
+@dataclass(frozen=True)
+class _StageKey:
+    gpu: GPUType
+    node_intra_bps: float
+    tp: int
+    layers: int
+    first: bool
+    last: bool
+    single: bool
+
+
+def _stage_times(
+    plan: Plan,
+    model: ModelSpec,
+    key: _StageKey,
+    node: Node,
+    params: CostParams,
+    profile: LayerTimeSource | None,
+) -> tuple[float, float, float, float, bool]:
+    """Returns (forward, backward, recompute, tp_comm) per micro-batch and whether profiled."""
+    gpu, tp, mb = key.gpu, key.tp, plan.micro_batch_size
+    eff = params.gpu(gpu.name)
+    measured = profile.layer_times(gpu, model, tp, mb, plan.precision) if profile else None
+    lt = measured or layer_times(model, gpu, eff, tp, mb, plan.precision, plan.flash_attention)
+    fwd = key.layers * lt.forward_s
+    bwd = key.layers * lt.backward_s
+    if plan.recompute == "full":
+        rc = key.layers * lt.forward_s
+    elif plan.recompute == "selective":
+        rc = key.layers * lt.selective_recompute_s
+    else:
+        rc = 0.0
+    if key.first:
+        et = embedding_times(model, gpu, eff, tp, mb, plan.precision)
+        fwd += et.forward_s
+        bwd += et.backward_s
+    if key.last:
+        ht = head_times(model, gpu, eff, tp, mb, plan.precision)
+        fwd += ht.forward_s
+        bwd += ht.backward_s
+    act = mb * model.seq * model.hidden * _elem_bytes(plan.precision)
+    one = comm.intra_node_allreduce_s(act, tp, node, params)
+    n_ar = 4 * key.layers + (2 * key.layers if plan.recompute == "full" else 0)
+    n_ar += (1 if key.first else 0) + (1 if key.last else 0)
+    tp_comm = n_ar * one
+    return fwd, bwd, rc, tp_comm, measured is not None
+
+
+def zero3_exposed_s(gather_s: float, compute_s: float) -> float:
+    """Returns the part of ZeRO-3's per-micro-batch parameter gathers (forward and backward,
+    together the volume of one all-reduce) that prefetching cannot hide behind compute."""
+    return max(0.0, gather_s - compute_s)
+
+
+def _sync_groups(
+    plan: Plan, model: ModelSpec, cluster: Cluster
+) -> list[tuple[float, list[tuple[int, int]]]]:
+    """Returns [(parameters, [(pipeline, stage), ...])] per layer segment shared by replicas."""
+    bounds = {0, model.layers}
+    for pipe in plan.pipelines:
+        for a, _ in pipe.layer_ranges():
+            bounds.add(a)
+    cuts = sorted(bounds)
+    out = []
+    for a, b in pairwise(cuts):
+        holders = []
+        for r, pipe in enumerate(plan.pipelines):
+            for j, (x, y) in enumerate(pipe.layer_ranges()):
+                if x <= a < y:
+                    holders.append((r, j))
+        params = (b - a) * model.layer_params()
+        if a == 0:
+            params += model.embedding_params()
+        if b == model.layers:
+            params += model.head_params()
+        out.append((float(params), holders))
+    return out
+
+
+def estimate(
+    plan: Plan,
+    model: ModelSpec,
+    cluster: Cluster,
+    params: CostParams | None = None,
+    profile: LayerTimeSource | None = None,
+    record: bool = False,
+    validate: bool = True,
+) -> Estimate:
+    """Returns the predicted iteration time, memory, throughput and price of ``plan``."""
+    if validate:
+        validate_plan(plan, model, cluster)
+    params = params or default_params()
+    dp = plan.dp
+    v = plan.virtual_stages
+    # data-parallel gradient sync, segment by segment among the stages holding each layer
+    groups = _sync_groups(plan, model, cluster) if dp > 1 else []
+    group_members: list[list[list[Node]]] = []
+    for _, holders in groups:
+        tps = [plan.pipelines[r].stages[j].tp for r, j in holders]
+        tp_min = min(tps)
+        per_rank = []
+        for i in range(tp_min):
+            per_rank.append(
+                [cluster.device_node(plan.pipelines[r].stages[j].devices[i]) for r, j in holders]
+            )
+        group_members.append(per_rank)
+    crossing: dict[str, set[str]] = {}
+    for (_, holders), per_rank in zip(groups, group_members, strict=True):
+        for i, members in enumerate(per_rank):
+            if len({n.name for n in members}) > 1:
+                for r, j in holders:
+                    dev = plan.pipelines[r].stages[j].devices[i]
+                    crossing.setdefault(dev.rpartition(":")[0], set()).add(dev)
+    concurrency = {k: len(v_) for k, v_ in crossing.items()}
+    dp_members: dict[tuple[int, int], list[Node]] = {}
+    for (_, holders), per_rank in zip(groups, group_members, strict=True):
+        for h in holders:
+            if per_rank and len(per_rank[0]) > len(dp_members.get(h, [])):
+                dp_members[h] = per_rank[0]
+    gather_memo: dict[tuple[int, float], float] = {}
+    stages: list[StageEstimate] = []
+    any_profiled = False
+    replays: list[Replay] = []
+    pipeline_times: list[float] = []
+    by_pipe: list[list[StageEstimate]] = []
+    replay_cache: dict[tuple[Any, ...], Replay] = {}
+    for r, pipe in enumerate(plan.pipelines):
+        p = len(pipe.stages)
+        m = plan.num_micro_batches(pipe)
+        nodes = [cluster.device_node(s.devices[0]) for s in pipe.stages]
+        row: list[StageEstimate] = []
+        for j, stage in enumerate(pipe.stages):
+            node = nodes[j]
+            first, last = j == 0, j == p - 1
+            key = _StageKey(
+                node.gpu, node.intra_node_bytes_per_s, stage.tp, stage.layers, first, last, p == 1
+            )
+            fwd, bwd, rc, tpc, prof = _stage_times(plan, model, key, node, params, profile)
+            p_local = stage_params(model, stage.layers, stage.tp, first, last, p == 1)
+            if plan.zero_stage == 3 and (r, j) in dp_members:
+                group = dp_members[(r, j)]
+                gkey = (id(group), p_local)
+                if gkey not in gather_memo:
+                    gather_memo[gkey] = comm.group_allreduce_s(
+                        p_local * _elem_bytes(plan.precision), group, params, concurrency
+                    )
+                tpc += zero3_exposed_s(gather_memo[gkey], fwd + bwd)
+            any_profiled |= prof
+            act = plan.micro_batch_size * model.seq * model.hidden * _elem_bytes(plan.precision)
+            nxt = nodes[(j + 1) % p]
+            send = (
+                comm.p2p_s(act / stage.tp, node, nxt, params, concurrency=stage.tp)
+                if p > 1
+                else 0.0
+            )
+            w, g, o = state_bytes(p_local, plan.precision, plan.zero_stage, dp)
+            if plan.zero_stage == 3 and dp > 1:
+                w += zero3_working_bytes(model, stage.tp, plan.precision)
+            units = peak_in_flight(plan.schedule, p, m, v, j)
+            acts = stage_activation_bytes(
+                model,
+                stage.layers,
+                stage.tp,
+                plan.micro_batch_size,
+                plan.sequence_parallel,
+                plan.recompute,
+                plan.flash_attention,
+                first,
+                last,
+                units,
+                v,
+            )
+            mem = MemoryBreakdown(w, g, o, acts, params.memory_reserve_bytes)
+            eff = params.gpu(node.gpu.name)
+            opt_s = optimizer_time_s(
+                p_local / (dp if plan.zero_stage >= 1 else 1), node.gpu, eff, plan.precision
+            )
+            row.append(
+                StageEstimate(
+                    pipeline=r,
+                    stage=j,
+                    devices=stage.devices,
+                    gpu=node.gpu.name,
+                    layers=stage.layers,
+                    forward_s=fwd,
+                    backward_s=bwd,
+                    recompute_s=rc,
+                    tp_comm_s=tpc,
+                    send_s=send,
+                    memory=mem,
+                    capacity_bytes=node.gpu.memory_bytes,
+                    optimizer_s=opt_s,
+                )
+            )
+        # chunk times: layers split evenly over v chunks; embedding on chunk 0, head on v-1
+        fwd_c = [[st.forward_s / v] * v for st in row]
+        bwd_c = [[(st.backward_s + st.recompute_s + st.tp_comm_s) / v] * v for st in row]
+        sends = [st.send_s for st in row]
+        sig = (
+            plan.schedule,
+            m,
+            v,
+            tuple(map(tuple, fwd_c)),
+            tuple(map(tuple, bwd_c)),
+            tuple(sends),
+        )
+        rep = replay_cache.get(sig)
+        if rep is None:
+            if record:
+                rep = replay(plan.schedule, m, v, fwd_c, bwd_c, sends, record=True)
+            else:
+                rep = pipeline_replay(plan.schedule, m, v, fwd_c, bwd_c, sends)
+            replay_cache[sig] = rep
+        replays.append(rep)
+        pipeline_times.append(rep.makespan_s)
+        for j, st in enumerate(row):
+            st.busy_s = rep.busy_s[j]
+            st.last_backward_end_s = rep.last_backward_end_s[j]
+        by_pipe.append(row)
+        stages.extend(row)
+
+    sync_s: dict[tuple[int, int], float] = {}
+    ready: dict[tuple[int, int], float] = {}
+    grad_bytes = 4.0
+    volume = 0.5 if plan.zero_stage == 3 else 1.0
+    for (n_params, holders), per_rank in zip(groups, group_members, strict=True):
+        if len(holders) <= 1:
+            continue
+        tp_min = len(per_rank)
+        t = max(
+            comm.group_allreduce_s(
+                n_params * grad_bytes / tp_min, members, params, concurrency, volume
+            )
+            for members in per_rank
+        )
+        if plan.overlap_grad_reduce:
+            start = max(replays[r].last_backward_start_s[j] for r, j in holders)
+        else:
+            start = max(replays[r].last_backward_end_s[j] for r, j in holders)
+        for h in holders:
+            sync_s[h] = sync_s.get(h, 0.0) + t
+            ready[h] = max(ready.get(h, 0.0), start)
+    for st in stages:
+        key2 = (st.pipeline, st.stage)
+        st.grad_sync_s = sync_s.get(key2, 0.0)
+        st.sync_end_s = max(st.last_backward_end_s, ready.get(key2, 0.0) + st.grad_sync_s)
+        st.end_s = st.sync_end_s + st.optimizer_s
+
+    crit = max(stages, key=lambda s: s.end_s)
+    iteration = crit.end_s
+    n_mb = plan.num_micro_batches(plan.pipelines[crit.pipeline])
+    compute = n_mb * (crit.forward_s + crit.backward_s + crit.recompute_s)
+    breakdown = {
+        "forward_s": n_mb * crit.forward_s,
+        "backward_s": n_mb * crit.backward_s,
+        "recompute_s": n_mb * crit.recompute_s,
+        "tensor_parallel_comm_s": n_mb * crit.tp_comm_s,
+        "pipeline_bubble_s": crit.last_backward_end_s - compute - n_mb * crit.tp_comm_s,
+        "pipeline_send_s_per_micro_batch": crit.send_s,
+        "data_parallel_sync_s": crit.sync_end_s - crit.last_backward_end_s,
+        "data_parallel_sync_total_s": crit.grad_sync_s,
+        "optimizer_s": crit.optimizer_s,
+    }
+    tokens = plan.global_batch_size * model.seq
+    n_gpus = len(plan.devices())
+    model_flops = plan.global_batch_size * model.model_flops_per_sequence()
+    if plan.recompute == "full":
+        extra = plan.global_batch_size * model.layers * model.layer_flops()
+    elif plan.recompute == "selective":
+        extra = plan.global_batch_size * model.layers * model.layer_attention_flops()
+    else:
+        extra = 0.0
+    peak_sum = sum(cluster.device_node(d).gpu.peak_flops(plan.precision) for d in plan.devices())
+    price: float | None = 0.0
+    for d in plan.devices():
+        node_price = cluster.device_node(d).usd_per_gpu_hour
+        price = None if price is None or node_price is None else price + node_price
+    tokens_per_s = tokens / iteration
+    fits = all(s.memory.total <= s.capacity_bytes for s in stages)
+    bottleneck = (
+        f"pipeline {crit.pipeline} stage {crit.stage} ({crit.gpu} x{len(crit.devices)}, "
+        f"{crit.layers} layers)"
+    )
+    return Estimate(
+        iteration_time_s=iteration,
+        breakdown=breakdown,
+        stages=stages,
+        pipeline_times_s=pipeline_times,
+        fits=fits,
+        tokens_per_s=tokens_per_s,
+        tflops_per_gpu=model_flops / iteration / n_gpus / 1e12,
+        hardware_tflops_per_gpu=(model_flops + extra) / iteration / n_gpus / 1e12,
+        mfu=model_flops / iteration / peak_sum,
+        cost_usd_per_hour=price,
+        usd_per_million_tokens=(price / (tokens_per_s * 3600) * 1e6) if price is not None else None,
+        compute_source="profiled" if any_profiled else "analytical",
+        bottleneck=bottleneck,
+        replays=replays,
+    )

@@ -1,0 +1,111 @@
+"""Fitted efficiency parameters of the cost model (shipped as data/calibration.json)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, replace
+from functools import cache
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from hetplan.errors import InputError
+
+
+@dataclass(frozen=True)
+class GPUEfficiency:
+    """How close one GPU type gets to its datasheet peaks, as a function of shapes."""
+
+    gemm_max: float = 0.75
+    """Fraction of dense peak reached by a large matrix multiply."""
+    gemm_half_dim: float = 128.0
+    """Smallest matmul dimension at which efficiency is half of gemm_max."""
+    mem_efficiency: float = 0.7
+    """Fraction of HBM bandwidth reached by elementwise kernels."""
+    kernel_overhead_s: float = 5e-6
+    """Fixed cost per kernel launch."""
+
+    def __post_init__(self) -> None:
+        if not 0 < self.gemm_max <= 1 or not 0 < self.mem_efficiency <= 1:
+            raise InputError("calibration", "efficiencies must lie in (0, 1]")
+        if self.gemm_half_dim < 0 or self.kernel_overhead_s < 0:
+            raise InputError("calibration", "half dimension and overhead must be >= 0")
+
+
+@dataclass(frozen=True)
+class CostParams:
+    """Every fitted number of the cost model."""
+
+    gpus: dict[str, GPUEfficiency] = field(default_factory=dict)
+    """Per GPU type name; types without an entry use ``default``."""
+    default: GPUEfficiency = field(default_factory=GPUEfficiency)
+    link_efficiency: float = 0.8
+    """Fraction of nominal link bandwidth that collectives and transfers reach."""
+    intra_latency_s: float = 10e-6
+    inter_latency_s: float = 30e-6
+    memory_reserve_bytes: float = 1.5e9
+    """Per device: framework context, allocator fragmentation, workspace."""
+    fit_report: dict[str, Any] = field(default_factory=dict, compare=False)
+
+    def gpu(self, name: str) -> GPUEfficiency:
+        """Returns the efficiency parameters of GPU type ``name``."""
+        return self.gpus.get(name, self.default)
+
+    def with_gpu(self, name: str, eff: GPUEfficiency) -> CostParams:
+        """Returns a copy with ``eff`` for GPU type ``name``."""
+        return replace(self, gpus={**self.gpus, name: eff})
+
+    def to_dict(self) -> dict[str, Any]:
+        """Returns a JSON-ready mapping."""
+        return {
+            "gpus": {k: asdict(v) for k, v in self.gpus.items()},
+            "default": asdict(self.default),
+            "link_efficiency": self.link_efficiency,
+            "intra_latency_s": self.intra_latency_s,
+            "inter_latency_s": self.inter_latency_s,
+            "memory_reserve_bytes": self.memory_reserve_bytes,
+            "fit_report": self.fit_report,
+        }
+
+    @staticmethod
+    def from_dict(data: dict[str, Any]) -> CostParams:
+        """Returns CostParams from the mapping written by ``to_dict``."""
+        try:
+            return CostParams(
+                gpus={k: GPUEfficiency(**v) for k, v in data.get("gpus", {}).items()},
+                default=GPUEfficiency(**data.get("default", {})),
+                link_efficiency=float(data.get("link_efficiency", 0.8)),
+                intra_latency_s=float(data.get("intra_latency_s", 10e-6)),
+                inter_latency_s=float(data.get("inter_latency_s", 30e-6)),
+                memory_reserve_bytes=float(data.get("memory_reserve_bytes", 1.5e9)),
+                fit_report=dict(data.get("fit_report", {})),
+            )
+        except TypeError as exc:
+            raise InputError("calibration", f"malformed parameters: {exc}") from None
+
+    def save(self, path: Path) -> None:
+        """Writes the parameters as JSON, atomically."""
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+        tmp.replace(path)
+
+
+@cache
+def default_params() -> CostParams:
+    """Returns the parameters fitted on the shipped calibration data."""
+    res = resources.files("hetplan.data").joinpath("calibration.json")
+    if not res.is_file():
+        return CostParams()
+    return CostParams.from_dict(json.loads(res.read_text()))
+
+
+def load_params(path: Path | None) -> CostParams:
+    """Returns parameters from ``path``, or the shipped ones when ``path`` is None."""
+    if path is None:
+        return default_params()
+    try:
+        return CostParams.from_dict(json.loads(path.read_text()))
+    except OSError as exc:
+        raise InputError("--params", f"cannot read {path}: {exc.strerror}") from None
+    except json.JSONDecodeError as exc:
+        raise InputError("--params", f"{path} is not valid JSON: {exc.msg}") from None

@@ -1,0 +1,266 @@
+"""Model descriptions: the built-in catalog, Hugging Face configs, and per-layer costs.
+
+Per-layer figures follow Narayanan et al. (SC'21) for FLOPs and Korthikanti et al.
+(2022) for activation memory, generalised to grouped-query attention and gated MLPs.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, replace
+from functools import cache
+from importlib import resources
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from hetplan.errors import InputError
+
+Family = Literal["gpt", "llama"]
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A decoder-only transformer's shape."""
+
+    name: str
+    family: Family
+    """gpt: LayerNorm, GeLU MLP, biases, learned positions, dropout; llama: RMSNorm, SwiGLU."""
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    """Key/value heads (grouped-query attention); equal to heads for multi-head attention."""
+    ffn: int
+    """MLP inner width."""
+    vocab: int
+    seq: int
+    """Training sequence length, tokens."""
+    tie_embeddings: bool = False
+    default_global_batch: int = 512
+    """Sequences per iteration when the user gives none."""
+
+    def __post_init__(self) -> None:
+        for field in ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "seq"):
+            value = getattr(self, field)
+            if not isinstance(value, int) or value <= 0:
+                raise InputError(f"model.{field}", f"must be a positive integer, got {value!r}")
+        if self.hidden % self.heads:
+            raise InputError(
+                "model.heads", f"{self.heads} heads do not divide hidden {self.hidden}"
+            )
+        if self.heads % self.kv_heads:
+            raise InputError("model.kv_heads", f"{self.kv_heads} do not divide heads {self.heads}")
+        if self.family not in ("gpt", "llama"):
+            raise InputError("model.family", f"unknown family {self.family!r} (gpt, llama)")
+
+    @property
+    def head_dim(self) -> int:
+        """Returns the width of one attention head."""
+        return self.hidden // self.heads
+
+    @property
+    def kv_dim(self) -> int:
+        """Returns the total width of the key (or value) projection."""
+        return self.kv_heads * self.head_dim
+
+    @property
+    def gated(self) -> bool:
+        """Returns whether the MLP is gated (SwiGLU: three matrices)."""
+        return self.family == "llama"
+
+    @property
+    def dropout(self) -> bool:
+        """Returns whether the layers apply dropout (and keep its masks)."""
+        return self.family == "gpt"
+
+    # ---- parameters -------------------------------------------------------------
+    def layer_params(self) -> int:
+        """Returns the parameters of one transformer layer."""
+        h, kv, f = self.hidden, self.kv_dim, self.ffn
+        attn = h * (h + 2 * kv) + h * h
+        mlp = (3 if self.gated else 2) * h * f
+        if self.family == "gpt":
+            biases = (h + 2 * kv) + h + f + h
+            norms = 4 * h
+        else:
+            biases = 0
+            norms = 2 * h
+        return attn + mlp + biases + norms
+
+    def embedding_params(self) -> int:
+        """Returns the parameters of the input embedding (and learned positions for GPT)."""
+        pos = self.seq * self.hidden if self.family == "gpt" else 0
+        return self.vocab * self.hidden + pos
+
+    def head_params(self) -> int:
+        """Returns the parameters of the final norm and output head (the head even if tied)."""
+        norm = (2 if self.family == "gpt" else 1) * self.hidden
+        return norm + self.vocab * self.hidden
+
+    def total_params(self) -> int:
+        """Returns the model's parameter count (a tied head counted once)."""
+        head = self.head_params() - (self.vocab * self.hidden if self.tie_embeddings else 0)
+        return self.layers * self.layer_params() + self.embedding_params() + head
+
+    # ---- FLOPs (per sequence of self.seq tokens, forward pass) ---------------------
+    def layer_matmul_flops(self) -> float:
+        """Returns forward FLOPs of one layer's weight matmuls for one sequence."""
+        h, kv, f, s = self.hidden, self.kv_dim, self.ffn, self.seq
+        return 2.0 * s * (h * (h + 2 * kv) + h * h + (3 if self.gated else 2) * h * f)
+
+    def layer_attention_flops(self) -> float:
+        """Returns forward FLOPs of one layer's QK^T and AV products for one sequence."""
+        return 2.0 * 2.0 * self.seq * self.seq * self.hidden
+
+    def layer_flops(self) -> float:
+        """Returns forward FLOPs of one transformer layer for one sequence."""
+        return self.layer_matmul_flops() + self.layer_attention_flops()
+
+    def head_flops(self) -> float:
+        """Returns forward FLOPs of the output head (logits) for one sequence."""
+        return 2.0 * self.seq * self.hidden * self.vocab
+
+    def model_flops_per_sequence(self) -> float:
+        """Returns forward+backward FLOPs per sequence without recomputation (3x forward)."""
+        return 3.0 * (self.layers * self.layer_flops() + self.head_flops())
+
+    # ---- activations (bytes per sequence, 2-byte activations) ------------------------
+    def layer_activation_bytes(
+        self, tp: int, sequence_parallel: bool, recompute: str, flash_attention: bool
+    ) -> float:
+        """Returns activation bytes one layer keeps for backward, per sequence, per TP rank.
+
+        Korthikanti et al. 2022 (eq. 1-5): a replicated part (norm inputs, the inputs of the
+        first matmuls, dropout masks) split only by sequence parallelism, and a part split
+        by tensor parallelism; attention scores are s^2 terms absent with flash attention.
+        """
+        s, h, kv, f, a = self.seq, self.hidden, self.kv_dim, self.ffn, self.heads
+        if recompute == "full":
+            return 2.0 * s * h / (tp if sequence_parallel else 1)
+        drop = 1.0 if self.dropout else 0.0
+        replicated = 2.0 * s * h * 4 + drop * 2 * s * h  # 2 norm inputs, qkv and mlp inputs; masks
+        sharded = 2.0 * s * (h + kv)  # Q, K for QK^T
+        sharded += 2 * s * kv  # V
+        sharded += 2 * s * h  # output projection input
+        sharded += (8 if self.gated else 4) * s * f  # activation inputs/outputs
+        if not flash_attention and recompute != "selective":
+            sharded += (2 + drop + 2 * drop) * a * s * s  # softmax out, dropout mask and out
+        elif flash_attention:
+            sharded += 4 * a * s  # log-sum-exp statistics (fp32)
+        if sequence_parallel:
+            return (replicated + sharded) / tp
+        return replicated + sharded / tp
+
+    def embedding_activation_bytes(self, tp: int, sequence_parallel: bool) -> float:
+        """Returns activation bytes of the embedding output (and dropout mask), per sequence."""
+        per = 2.0 * self.seq * self.hidden + (self.seq * self.hidden if self.dropout else 0)
+        return per / (tp if sequence_parallel else 1)
+
+    def head_activation_bytes(self, tp: int) -> float:
+        """Returns bytes of the final norm input and the logits kept for the loss, per sequence."""
+        # logits in 2-byte form plus the fp32 softmax of the vocab-parallel cross-entropy
+        return 2.0 * self.seq * self.hidden + 6.0 * self.seq * self.vocab / tp
+
+    def with_seq(self, seq: int | None) -> ModelSpec:
+        """Returns this model with sequence length ``seq`` (unchanged if None)."""
+        if seq is None:
+            return self
+        if seq <= 0:
+            raise InputError("--seq-len", "must be positive")
+        return replace(self, seq=seq)
+
+
+@cache
+def _catalog() -> dict[str, dict[str, Any]]:
+    text = resources.files("hetplan.data").joinpath("models.yaml").read_text()
+    data: dict[str, dict[str, Any]] = yaml.safe_load(text)
+    return data
+
+
+def catalog_models() -> list[str]:
+    """Returns the names of the built-in models."""
+    return list(_catalog())
+
+
+def _from_catalog(name: str) -> ModelSpec:
+    entry = dict(_catalog()[name])
+    return ModelSpec(
+        name=name,
+        family=entry["family"],
+        layers=entry["layers"],
+        hidden=entry["hidden"],
+        heads=entry["heads"],
+        kv_heads=entry.get("kv_heads", entry["heads"]),
+        ffn=entry["ffn"],
+        vocab=entry["vocab"],
+        seq=entry["seq"],
+        tie_embeddings=entry.get("tie_embeddings", False),
+        default_global_batch=entry["default_global_batch"],
+    )
+
+
+def _require_int(cfg: dict[str, Any], key: str, path: str) -> int:
+    if key not in cfg:
+        raise InputError(f"{path}:{key}", "missing from the config")
+    value = cfg[key]
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise InputError(f"{path}:{key}", f"expected a positive integer, got {value!r}")
+    return value
+
+
+def model_from_hf_config(path: Path) -> ModelSpec:
+    """Returns the ModelSpec of a Hugging Face ``config.json`` (Llama/Mistral or GPT-2 keys)."""
+    try:
+        cfg = json.loads(path.read_text())
+    except OSError as exc:
+        raise InputError("--model", f"cannot read {path}: {exc.strerror}") from None
+    except json.JSONDecodeError as exc:
+        raise InputError(
+            "--model", f"{path} is not valid JSON: {exc.msg} (line {exc.lineno})"
+        ) from None
+    if not isinstance(cfg, dict):
+        raise InputError("--model", f"{path} must hold a JSON object")
+    name = path.parent.name or path.stem
+    if "n_embd" in cfg:
+        hidden = _require_int(cfg, "n_embd", str(path))
+        return ModelSpec(
+            name=name,
+            family="gpt",
+            layers=_require_int(cfg, "n_layer", str(path)),
+            hidden=hidden,
+            heads=_require_int(cfg, "n_head", str(path)),
+            kv_heads=_require_int(cfg, "n_head", str(path)),
+            ffn=cfg.get("n_inner") or 4 * hidden,
+            vocab=_require_int(cfg, "vocab_size", str(path)),
+            seq=_require_int(cfg, "n_positions", str(path)),
+            tie_embeddings=bool(cfg.get("tie_word_embeddings", True)),
+        )
+    heads = _require_int(cfg, "num_attention_heads", str(path))
+    return ModelSpec(
+        name=name,
+        family="llama",
+        layers=_require_int(cfg, "num_hidden_layers", str(path)),
+        hidden=_require_int(cfg, "hidden_size", str(path)),
+        heads=heads,
+        kv_heads=cfg.get("num_key_value_heads") or heads,
+        ffn=_require_int(cfg, "intermediate_size", str(path)),
+        vocab=_require_int(cfg, "vocab_size", str(path)),
+        seq=_require_int(cfg, "max_position_embeddings", str(path)),
+        tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+    )
+
+
+def load_model(spec: str, seq_len: int | None = None) -> ModelSpec:
+    """Returns the model named ``spec`` in the catalog, or read from a config.json path."""
+    key = spec.strip().lower()
+    if key in _catalog():
+        return _from_catalog(key).with_seq(seq_len)
+    path = Path(spec)
+    if path.suffix == ".json" or path.exists():
+        if not path.exists():
+            raise InputError("--model", f"no such file: {spec}")
+        return model_from_hf_config(path).with_seq(seq_len)
+    known = ", ".join(catalog_models())
+    raise InputError("--model", f"unknown model {spec!r} (built-in: {known}; or a config.json)")

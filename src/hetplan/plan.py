@@ -1,0 +1,267 @@
+"""Plans: data-parallel pipelines, each with its own stages, batch share and devices.
+
+A plan is asymmetric by construction; a Megatron-style plan is the special case where
+every pipeline has the same stages on the same kind of devices.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hetplan.cluster import Cluster
+from hetplan.errors import InputError
+from hetplan.model import ModelSpec
+
+SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B")
+RECOMPUTE = ("none", "selective", "full")
+PRECISIONS = ("bf16", "fp16", "fp32")
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One pipeline stage: ``layers`` transformer layers on a tensor-parallel group."""
+
+    layers: int
+    devices: tuple[str, ...]
+    """The tensor-parallel group: devices of one node (one GPU type)."""
+
+    @property
+    def tp(self) -> int:
+        """Returns the stage's tensor-parallel degree."""
+        return len(self.devices)
+
+
+@dataclass(frozen=True)
+class Pipeline:
+    """One data-parallel replica: its batch share and its stages, first to last."""
+
+    batch_size: int
+    stages: tuple[Stage, ...]
+
+    def layer_ranges(self) -> list[tuple[int, int]]:
+        """Returns [start, end) transformer-layer ranges per stage."""
+        out, start = [], 0
+        for stage in self.stages:
+            out.append((start, start + stage.layers))
+            start += stage.layers
+        return out
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A full parallel plan for one training iteration."""
+
+    global_batch_size: int
+    micro_batch_size: int
+    pipelines: tuple[Pipeline, ...]
+    precision: str = "bf16"
+    recompute: str = "none"
+    zero_stage: int = 0
+    schedule: str = "1F1B"
+    virtual_stages: int = 1
+    """Model chunks per stage (Interleaved1F1B); 1 otherwise."""
+    sequence_parallel: bool = False
+    flash_attention: bool = True
+    overlap_grad_reduce: bool = True
+    """Overlap the data-parallel gradient reduction with the last backward passes."""
+    extra: dict[str, Any] = field(default_factory=dict, compare=False)
+
+    @property
+    def dp(self) -> int:
+        """Returns the number of data-parallel replicas."""
+        return len(self.pipelines)
+
+    def devices(self) -> list[str]:
+        """Returns every device the plan uses."""
+        return [d for p in self.pipelines for s in p.stages for d in s.devices]
+
+    def num_micro_batches(self, pipeline: Pipeline) -> int:
+        """Returns the micro-batches one pipeline runs per iteration."""
+        return pipeline.batch_size // self.micro_batch_size
+
+    def is_uniform(self) -> bool:
+        """Returns whether every pipeline has the same stage layout and batch share."""
+        first = self.pipelines[0]
+        shape = [(s.layers, s.tp) for s in first.stages]
+        return all(
+            p.batch_size == first.batch_size and [(s.layers, s.tp) for s in p.stages] == shape
+            for p in self.pipelines
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """Returns the plan as the JSON-ready mapping of the plan file format."""
+        out = asdict(self)
+        out.pop("extra")
+        for pipe in out["pipelines"]:
+            for stage in pipe["stages"]:
+                stage["devices"] = list(stage["devices"])
+        if self.schedule != "Interleaved1F1B":
+            out.pop("virtual_stages")
+        return out
+
+    def save(self, path: Path) -> None:
+        """Writes the plan as JSON, atomically."""
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+        tmp.replace(path)
+
+
+def _int(data: dict[str, Any], key: str, where: str, default: int | None = None) -> int:
+    value = data.get(key, default)
+    if value is None:
+        raise InputError(f"{where}{key}", "required")
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise InputError(f"{where}{key}", f"expected an integer, got {value!r}")
+    return value
+
+
+def plan_from_dict(data: Any) -> Plan:
+    """Returns the Plan of a parsed plan file, checking its form (not the cluster or model)."""
+    if not isinstance(data, dict):
+        raise InputError("plan", "must be a JSON object")
+    raw = data.get("pipelines")
+    if not isinstance(raw, list) or not raw:
+        raise InputError("pipelines", "required: a non-empty list")
+    pipelines = []
+    for i, pipe in enumerate(raw):
+        where = f"pipelines[{i}]."
+        if not isinstance(pipe, dict):
+            raise InputError(f"pipelines[{i}]", "must be an object")
+        stages_raw = pipe.get("stages")
+        if not isinstance(stages_raw, list) or not stages_raw:
+            raise InputError(f"{where}stages", "required: a non-empty list")
+        stages = []
+        for j, st in enumerate(stages_raw):
+            swhere = f"{where}stages[{j}]."
+            if not isinstance(st, dict):
+                raise InputError(f"{where}stages[{j}]", "must be an object")
+            devices = st.get("devices")
+            if not isinstance(devices, list) or not devices:
+                raise InputError(f"{swhere}devices", "required: a non-empty list of 'node:index'")
+            if not all(isinstance(d, str) for d in devices):
+                raise InputError(f"{swhere}devices", "device names must be strings")
+            stages.append(Stage(_int(st, "layers", swhere), tuple(devices)))
+        pipelines.append(Pipeline(_int(pipe, "batch_size", where), tuple(stages)))
+    known = {
+        "global_batch_size",
+        "micro_batch_size",
+        "precision",
+        "recompute",
+        "zero_stage",
+        "schedule",
+        "virtual_stages",
+        "sequence_parallel",
+        "flash_attention",
+        "overlap_grad_reduce",
+        "pipelines",
+    }
+    extra = {k: v for k, v in data.items() if k not in known}
+    plan = Plan(
+        global_batch_size=_int(data, "global_batch_size", ""),
+        micro_batch_size=_int(data, "micro_batch_size", "", 1),
+        pipelines=tuple(pipelines),
+        precision=str(data.get("precision", "bf16")),
+        recompute=str(data.get("recompute", "none")),
+        zero_stage=_int(data, "zero_stage", "", 0),
+        schedule=str(data.get("schedule", "1F1B")),
+        virtual_stages=_int(data, "virtual_stages", "", 1),
+        sequence_parallel=bool(data.get("sequence_parallel", False)),
+        flash_attention=bool(data.get("flash_attention", True)),
+        overlap_grad_reduce=bool(data.get("overlap_grad_reduce", True)),
+        extra=extra,
+    )
+    check_plan_form(plan)
+    return plan
+
+
+def load_plan(path: Path) -> Plan:
+    """Returns the Plan read from a JSON file."""
+    try:
+        data = json.loads(path.read_text())
+    except OSError as exc:
+        raise InputError("--plan", f"cannot read {path}: {exc.strerror}") from None
+    except json.JSONDecodeError as exc:
+        raise InputError(
+            "--plan", f"{path} is not valid JSON: {exc.msg} (line {exc.lineno})"
+        ) from None
+    return plan_from_dict(data)
+
+
+def check_plan_form(plan: Plan) -> None:
+    """Raises InputError if the plan's own numbers are inconsistent."""
+    if plan.precision not in PRECISIONS:
+        raise InputError("precision", f"{plan.precision!r} is not one of {PRECISIONS}")
+    if plan.recompute not in RECOMPUTE:
+        raise InputError("recompute", f"{plan.recompute!r} is not one of {RECOMPUTE}")
+    if plan.schedule not in SCHEDULES:
+        raise InputError("schedule", f"{plan.schedule!r} is not one of {SCHEDULES}")
+    if plan.zero_stage not in (0, 1, 2, 3):
+        raise InputError("zero_stage", f"must be 0, 1, 2 or 3, got {plan.zero_stage}")
+    if plan.micro_batch_size <= 0:
+        raise InputError("micro_batch_size", "must be positive")
+    if plan.virtual_stages <= 0:
+        raise InputError("virtual_stages", "must be positive")
+    if plan.virtual_stages > 1 and plan.schedule != "Interleaved1F1B":
+        raise InputError("virtual_stages", "only the Interleaved1F1B schedule uses virtual stages")
+    total = sum(p.batch_size for p in plan.pipelines)
+    if total != plan.global_batch_size:
+        raise InputError(
+            "pipelines.batch_size",
+            f"batch sizes sum to {total}, not the global batch {plan.global_batch_size}",
+        )
+    for i, pipe in enumerate(plan.pipelines):
+        if pipe.batch_size <= 0 or pipe.batch_size % plan.micro_batch_size:
+            raise InputError(
+                f"pipelines[{i}].batch_size",
+                f"{pipe.batch_size} is not a positive multiple of the micro-batch "
+                f"{plan.micro_batch_size}",
+            )
+        for j, stage in enumerate(pipe.stages):
+            if stage.layers < 0:
+                raise InputError(f"pipelines[{i}].stages[{j}].layers", "must be >= 0")
+        if plan.schedule == "Interleaved1F1B":
+            m = pipe.batch_size // plan.micro_batch_size
+            if len(pipe.stages) > 1 and m % len(pipe.stages):
+                raise InputError(
+                    f"pipelines[{i}]",
+                    f"Interleaved1F1B needs micro-batches ({m}) divisible by stages "
+                    f"({len(pipe.stages)})",
+                )
+    seen: set[str] = set()
+    for dev in plan.devices():
+        if dev in seen:
+            raise InputError("devices", f"device {dev!r} is used more than once")
+        seen.add(dev)
+
+
+def validate_plan(plan: Plan, model: ModelSpec, cluster: Cluster) -> None:
+    """Raises InputError unless the plan places the model on the cluster's devices."""
+    check_plan_form(plan)
+    for i, pipe in enumerate(plan.pipelines):
+        layers = sum(s.layers for s in pipe.stages)
+        if layers != model.layers:
+            raise InputError(
+                f"pipelines[{i}].stages",
+                f"layers sum to {layers}, but {model.name} has {model.layers}",
+            )
+        for j, stage in enumerate(pipe.stages):
+            where = f"pipelines[{i}].stages[{j}].devices"
+            nodes = {cluster.device_node(d).name for d in stage.devices}
+            if len(nodes) > 1:
+                raise InputError(where, f"a tensor-parallel group spans nodes {sorted(nodes)}")
+            tp = stage.tp
+            if model.heads % tp or (model.kv_heads % tp and tp % model.kv_heads):
+                raise InputError(where, f"tensor-parallel degree {tp} does not divide the heads")
+            if model.ffn % tp:
+                raise InputError(where, f"tensor-parallel degree {tp} does not divide ffn")
+            if plan.virtual_stages > 1 and stage.layers % plan.virtual_stages:
+                raise InputError(
+                    f"pipelines[{i}].stages[{j}].layers",
+                    f"{stage.layers} layers do not split into {plan.virtual_stages} chunks",
+                )
+            gpu = cluster.device_node(stage.devices[0]).gpu
+            if not gpu.supports(plan.precision):
+                raise InputError("precision", f"{gpu.name} has no {plan.precision} support")

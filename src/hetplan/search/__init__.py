@@ -1,0 +1,1 @@
+"""Plan searches: homogeneous enumeration, heterogeneous partitioning, provisioning."""

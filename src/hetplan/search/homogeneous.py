@@ -1,0 +1,323 @@
+"""Homogeneous 3D search: enumerate degrees and knobs, prune by divisibility and memory,
+score with a closed-form pipeline time from the cost tables, re-rank finalists by estimate()."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from hetplan.cluster import Cluster
+from hetplan.cost import comm
+from hetplan.cost.compute import embedding_times, head_times, layer_times, optimizer_time_s
+from hetplan.cost.estimate import Estimate, estimate, zero3_exposed_s
+from hetplan.cost.memory import (
+    stage_activation_bytes,
+    stage_params,
+    state_bytes,
+    zero3_working_bytes,
+)
+from hetplan.cost.params import CostParams, default_params
+from hetplan.cost.schedule import peak_in_flight
+from hetplan.errors import InputError
+from hetplan.model import ModelSpec
+from hetplan.plan import Plan
+from hetplan.search.layout import even_layer_split, uniform_plan
+
+
+def divisors(n: int) -> list[int]:
+    """Returns the positive divisors of ``n`` in increasing order."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return sorted(set(small + [n // d for d in small]))
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One point of the homogeneous search space."""
+
+    tp: int
+    pp: int
+    dp: int
+    micro_batch: int
+    recompute: str
+    zero_stage: int
+    schedule: str
+    virtual_stages: int
+    sequence_parallel: bool
+
+
+@dataclass
+class SearchResult:
+    """The best plans found, with their estimates, and what the search saw."""
+
+    ranked: list[tuple[Plan, Estimate]]
+    candidates: int
+    """Points enumerated after divisibility pruning."""
+    fitting: int
+    """Points that fit in memory."""
+    min_memory_bytes: float = math.inf
+    """The smallest per-GPU peak of any point (when nothing fits)."""
+    notes: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class SearchSpace:
+    """Which knobs the search may turn."""
+
+    recompute: tuple[str, ...] = ("none", "selective", "full")
+    zero_stages: tuple[int, ...] = (0, 1, 2, 3)
+    max_virtual_stages: int = 8
+    sequence_parallel: tuple[bool, ...] = (False, True)
+    tp: tuple[int, ...] | None = None
+    pp: tuple[int, ...] | None = None
+    dp: tuple[int, ...] | None = None
+    micro_batch: tuple[int, ...] | None = None
+    schedules: tuple[str, ...] = ("1F1B", "Interleaved1F1B")
+
+
+def enumerate_candidates(
+    model: ModelSpec, num_gpus: int, gpus_per_node: int, global_batch: int, space: SearchSpace
+) -> Iterator[Candidate]:
+    """Yields every candidate that passes divisibility rules (not memory)."""
+    for tp in divisors(gpus_per_node):
+        if space.tp and tp not in space.tp:
+            continue
+        if model.heads % tp or model.ffn % tp or (model.kv_heads % tp and tp % model.kv_heads):
+            continue
+        for pp in divisors(num_gpus // tp):
+            if pp > model.layers or (space.pp and pp not in space.pp):
+                continue
+            dp = num_gpus // (tp * pp)
+            if global_batch % dp or (space.dp and dp not in space.dp):
+                continue
+            per_replica = global_batch // dp
+            for mb in divisors(per_replica):
+                if space.micro_batch and mb not in space.micro_batch:
+                    continue
+                m = per_replica // mb
+                schedules: list[tuple[str, int]] = [("1F1B", 1)]
+                if pp > 1 and "Interleaved1F1B" in space.schedules and m % pp == 0:
+                    min_layers = model.layers // pp
+                    for v in range(2, space.max_virtual_stages + 1):
+                        splits = set(even_layer_split(model.layers, pp))
+                        if v <= min_layers and all(x % v == 0 for x in splits):
+                            schedules.append(("Interleaved1F1B", v))
+                if "1F1B" not in space.schedules:
+                    schedules = [s for s in schedules if s[0] != "1F1B"]
+                for rc in space.recompute:
+                    for zero in space.zero_stages:
+                        if zero and dp == 1:
+                            continue
+                        if zero >= 2 and pp > 1:
+                            continue  # ZeRO-2/3 shard gradients that pipelining accumulates
+                        for sched, v in schedules:
+                            for sp in space.sequence_parallel:
+                                if sp and tp == 1:
+                                    continue
+                                yield Candidate(tp, pp, dp, mb, rc, zero, sched, v, sp)
+
+
+def _peak_bytes(
+    model: ModelSpec,
+    c: Candidate,
+    cluster: Cluster,
+    precision: str,
+    global_batch: int,
+    params: CostParams,
+    flash: bool,
+) -> float:
+    """Returns the larger peak of the first and last stage of a candidate."""
+    m = global_batch // c.dp // c.micro_batch
+    split = even_layer_split(model.layers, c.pp)
+    worst = 0.0
+    for j in {0, c.pp - 1}:
+        first, last = j == 0, j == c.pp - 1
+        p_local = stage_params(model, split[j], c.tp, first, last, c.pp == 1)
+        w, g, o = state_bytes(p_local, precision, c.zero_stage, c.dp)
+        if c.zero_stage == 3:
+            w += zero3_working_bytes(model, c.tp, precision)
+        units = peak_in_flight(c.schedule, c.pp, m, c.virtual_stages, j)
+        acts = stage_activation_bytes(
+            model,
+            split[j],
+            c.tp,
+            c.micro_batch,
+            c.sequence_parallel,
+            c.recompute,
+            flash,
+            first,
+            last,
+            units,
+            c.virtual_stages,
+        )
+        worst = max(worst, w + g + o + acts + params.memory_reserve_bytes)
+    return worst
+
+
+def _score_s(
+    model: ModelSpec,
+    c: Candidate,
+    cluster: Cluster,
+    precision: str,
+    global_batch: int,
+    params: CostParams,
+    flash: bool,
+) -> float:
+    """Returns a closed-form iteration time of a candidate from the same cost tables."""
+    node = cluster.nodes[0]
+    gpu = node.gpu
+    eff = params.gpu(gpu.name)
+    mb = c.micro_batch
+    lt = layer_times(model, gpu, eff, c.tp, mb, precision, flash)
+    split = even_layer_split(model.layers, c.pp)
+    act = mb * model.seq * model.hidden * (4 if precision == "fp32" else 2)
+    ar = comm.intra_node_allreduce_s(act, c.tp, node, params)
+    rc_per_layer = {"none": 0.0, "selective": lt.selective_recompute_s, "full": lt.forward_s}[
+        c.recompute
+    ]
+    n_ar = 4 + (2 if c.recompute == "full" else 0)
+    per_layer = lt.forward_s + lt.backward_s + rc_per_layer + n_ar * ar
+    et = embedding_times(model, gpu, eff, c.tp, mb, precision)
+    ht = head_times(model, gpu, eff, c.tp, mb, precision)
+    stage_t = [x * per_layer for x in split]
+    stage_t[0] += et.forward_s + et.backward_s + ar
+    stage_t[-1] += ht.forward_s + ht.backward_s + ar
+    m = global_batch // c.dp // mb
+    gpn = node.gpus
+    if c.pp > 1:
+        cross = (c.tp * c.dp) >= gpn
+        send_bytes = act / c.tp
+        send = comm.p2p_s(
+            send_bytes,
+            node,
+            cluster.nodes[-1] if cross and len(cluster.nodes) > 1 else node,
+            params,
+            concurrency=min(c.tp * c.dp, gpn) if cross else 1,
+        )
+    else:
+        send = 0.0
+    v = c.virtual_stages
+    bottleneck = max(stage_t)
+    pipe = (m - 1) * bottleneck + sum(stage_t) / v + 2 * (c.pp - 1) * send * (1 if v == 1 else v)
+    # gradient sync of the first stage (it finishes last), hierarchical over DP
+    p_local = stage_params(model, split[0], c.tp, True, c.pp == 1, c.pp == 1)
+    if c.dp > 1:
+        nodes = cluster.nodes
+        members = [nodes[(r * c.tp) // gpn % len(nodes)] for r in range(c.dp)]
+        spans = len({n.name for n in members}) > 1
+        conc = {n.name: min(gpn, c.tp * c.dp) for n in nodes} if spans else {}
+        if c.zero_stage == 3:
+            compute = lt.forward_s + lt.backward_s
+            gather = comm.group_allreduce_s(
+                p_local * (4 if precision == "fp32" else 2), members, params, conc
+            )
+            stage_t[0] += zero3_exposed_s(gather, split[0] * compute)
+            pipe = (m - 1) * max(stage_t) + sum(stage_t)
+        sync = comm.group_allreduce_s(
+            p_local * 4.0, members, params, conc, 0.5 if c.zero_stage == 3 else 1.0
+        )
+        last_b = stage_t[0] - lt.forward_s * split[0] - et.forward_s
+        exposed = max(0.0, sync - last_b)
+    else:
+        exposed = 0.0
+    opt = optimizer_time_s(p_local / (c.dp if c.zero_stage else 1), gpu, eff, precision)
+    return pipe + exposed + opt
+
+
+def search_homogeneous(
+    model: ModelSpec,
+    cluster: Cluster,
+    global_batch: int,
+    precision: str,
+    top_k: int = 5,
+    params: CostParams | None = None,
+    space: SearchSpace | None = None,
+    flash_attention: bool = True,
+    finalists: int | None = None,
+) -> SearchResult:
+    """Returns the top-k plans for a cluster of one GPU type, best first, deterministically."""
+    params = params or default_params()
+    space = space or SearchSpace()
+    gpus_per_node = {n.gpus for n in cluster.nodes}
+    if len({n.gpu.name for n in cluster.nodes}) != 1 or len(gpus_per_node) != 1:
+        raise InputError("--cluster", "the homogeneous search needs one GPU type and node size")
+    gpu = cluster.nodes[0].gpu
+    if not gpu.supports(precision):
+        raise InputError("--precision", f"{gpu.name} has no {precision} support")
+    n = cluster.num_gpus
+    gpn = gpus_per_node.pop()
+    scored: list[tuple[float, tuple[object, ...], Candidate]] = []
+    count = 0
+    fitting = 0
+    min_mem = math.inf
+    for c in enumerate_candidates(model, n, gpn, global_batch, space):
+        count += 1
+        peak = _peak_bytes(model, c, cluster, precision, global_batch, params, flash_attention)
+        if peak > gpu.memory_bytes:
+            min_mem = min(min_mem, peak)
+            continue
+        fitting += 1
+        t = _score_s(model, c, cluster, precision, global_batch, params, flash_attention)
+        scored.append((t, _tiebreak(c), c))
+    result = SearchResult([], count, fitting, min_mem)
+    if not scored:
+        return result
+    scored.sort(key=lambda x: (x[0], x[1]))
+    keep = finalists if finalists is not None else max(4 * top_k, 24)
+    ranked: list[tuple[Plan, Estimate]] = []
+    for _, _, c in scored[:keep]:
+        plan = candidate_plan(model, cluster, c, global_batch, precision, flash_attention)
+        est = estimate(plan, model, cluster, params, validate=False)
+        if est.fits:
+            ranked.append((plan, est))
+    ranked.sort(key=lambda pe: (pe[1].iteration_time_s, _tiebreak(_candidate_of(pe[0]))))
+    result.ranked = ranked[:top_k]
+    return result
+
+
+def candidate_plan(
+    model: ModelSpec,
+    cluster: Cluster,
+    c: Candidate,
+    global_batch: int,
+    precision: str,
+    flash_attention: bool = True,
+) -> Plan:
+    """Returns the uniform plan of a candidate."""
+    return uniform_plan(
+        cluster,
+        model.layers,
+        c.tp,
+        c.pp,
+        c.dp,
+        c.micro_batch,
+        global_batch,
+        precision=precision,
+        recompute=c.recompute,
+        zero_stage=c.zero_stage,
+        schedule=c.schedule,
+        virtual_stages=c.virtual_stages,
+        sequence_parallel=c.sequence_parallel,
+        flash_attention=flash_attention,
+    )
+
+
+def _tiebreak(c: Candidate) -> tuple[object, ...]:
+    # prefer simpler plans on ties: less recomputation, lower ZeRO, fewer chunks
+    rc = ("none", "selective", "full").index(c.recompute)
+    return (rc, c.zero_stage, c.virtual_stages, c.pp, c.tp, -c.micro_batch, c.sequence_parallel)
+
+
+def _candidate_of(plan: Plan) -> Candidate:
+    first = plan.pipelines[0]
+    return Candidate(
+        first.stages[0].tp,
+        len(first.stages),
+        plan.dp,
+        plan.micro_batch_size,
+        plan.recompute,
+        plan.zero_stage,
+        plan.schedule,
+        plan.virtual_stages,
+        plan.sequence_parallel,
+    )
