@@ -145,7 +145,7 @@ def replay(
     return Replay(max(clock), last_b_start, last_b_end, busy, events)
 
 
-EXACT_ACTION_LIMIT = 4096
+EXACT_ACTION_LIMIT = 60_000
 
 
 def pipeline_replay(
@@ -156,33 +156,31 @@ def pipeline_replay(
     bwd_s: list[list[float]],
     send_s: list[float],
 ) -> Replay:
-    """Returns the replay for ``m`` micro-batches, extrapolated linearly for long runs.
+    """Returns the replay for ``m`` micro-batches, extrapolated for very long runs.
 
-    Past the warm-up, every further group of ``p`` micro-batches adds the same time (the
-    schedule is periodic), so two replays on shorter runs give the long one exactly.
+    The makespan of a schedule is a convex, piecewise-linear function of ``m`` that ends in
+    a periodic regime; runs of more than EXACT_ACTION_LIMIT actions are replayed up to the
+    limit and continued at the slope of the last group of ``p`` micro-batches.
     """
     p = len(fwd_s)
     if 2 * p * m * v <= EXACT_ACTION_LIMIT or m <= 3 * p:
         return replay(schedule, m, v, fwd_s, bwd_s, send_s)
-    step = p
-    m1 = 2 * p
-    m2 = m1 + step
-    if (m - m1) % step and schedule != "Interleaved1F1B":
-        m1 += (m - m1) % step
-        m2 = m1 + step
+    m1 = max(3 * p, (EXACT_ACTION_LIMIT // (2 * p * v)) // p * p)
+    if schedule != "Interleaved1F1B":
+        m1 -= (m1 - m) % p
+    r0 = replay(schedule, m1 - p, v, fwd_s, bwd_s, send_s)
     r1 = replay(schedule, m1, v, fwd_s, bwd_s, send_s)
-    r2 = replay(schedule, m2, v, fwd_s, bwd_s, send_s)
-    k = (m - m1) / step
+    k = (m - m1) / p
 
     def ext(a: float, b: float) -> float:
-        return a + (b - a) * k
+        return b + (b - a) * k
 
     return Replay(
-        ext(r1.makespan_s, r2.makespan_s),
+        ext(r0.makespan_s, r1.makespan_s),
         [
             ext(a, b)
-            for a, b in zip(r1.last_backward_start_s, r2.last_backward_start_s, strict=True)
+            for a, b in zip(r0.last_backward_start_s, r1.last_backward_start_s, strict=True)
         ],
-        [ext(a, b) for a, b in zip(r1.last_backward_end_s, r2.last_backward_end_s, strict=True)],
-        [ext(a, b) for a, b in zip(r1.busy_s, r2.busy_s, strict=True)],
+        [ext(a, b) for a, b in zip(r0.last_backward_end_s, r1.last_backward_end_s, strict=True)],
+        [ext(a, b) for a, b in zip(r0.busy_s, r1.busy_s, strict=True)],
     )

@@ -25,6 +25,11 @@ from hetplan.plan import Plan
 from hetplan.search.layout import even_layer_split, uniform_plan
 
 
+FINALIST_MARGIN = 1.15
+"""Candidates whose closed-form time is within this factor of the best are re-scored."""
+MAX_FINALISTS = 200
+
+
 def divisors(n: int) -> list[int]:
     """Returns the positive divisors of ``n`` in increasing order."""
     small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
@@ -198,7 +203,9 @@ def _score_s(
         send = 0.0
     v = c.virtual_stages
     bottleneck = max(stage_t)
-    pipe = (m - 1) * bottleneck + sum(stage_t) / v + 2 * (c.pp - 1) * send * (1 if v == 1 else v)
+    # 1F1B: m micro-batches at the bottleneck's pace plus the fill and drain of the others,
+    # which interleaving divides by v (Narayanan et al. 2021)
+    pipe = m * bottleneck + (sum(stage_t) - bottleneck) / v + 2 * (c.pp - 1) * send * v
     # gradient sync of the first stage (it finishes last), hierarchical over DP
     p_local = stage_params(model, split[0], c.tp, True, c.pp == 1, c.pp == 1)
     if c.dp > 1:
@@ -212,7 +219,7 @@ def _score_s(
                 p_local * (4 if precision == "fp32" else 2), members, params, conc
             )
             stage_t[0] += zero3_exposed_s(gather, split[0] * compute)
-            pipe = (m - 1) * max(stage_t) + sum(stage_t)
+            pipe = m * max(stage_t) + (sum(stage_t) - max(stage_t)) / v
         sync = comm.group_allreduce_s(
             p_local * 4.0, members, params, conc, 0.5 if c.zero_stage == 3 else 1.0
         )
@@ -263,9 +270,12 @@ def search_homogeneous(
     if not scored:
         return result
     scored.sort(key=lambda x: (x[0], x[1]))
-    keep = finalists if finalists is not None else max(4 * top_k, 24)
+    if finalists is None:
+        # every candidate the closed form puts near the best is re-scored by estimate()
+        near = sum(1 for t, _, _ in scored if t <= scored[0][0] * FINALIST_MARGIN)
+        finalists = min(max(4 * top_k, 24, near), MAX_FINALISTS)
     ranked: list[tuple[Plan, Estimate]] = []
-    for _, _, c in scored[:keep]:
+    for _, _, c in scored[:finalists]:
         plan = candidate_plan(model, cluster, c, global_batch, precision, flash_attention)
         est = estimate(plan, model, cluster, params, validate=False)
         if est.fits:

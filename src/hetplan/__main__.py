@@ -1,0 +1,5 @@
+"""Allows ``python -m hetplan``."""
+
+from hetplan.cli import main
+
+main()

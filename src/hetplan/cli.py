@@ -1,0 +1,376 @@
+"""The hetplan command line: plan, predict, calibrate, explain (and runtime commands)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+
+from hetplan.cluster import Cluster, load_cluster
+from hetplan.cost.estimate import Estimate, estimate
+from hetplan.cost.params import CostParams, load_params
+from hetplan.errors import InputError
+from hetplan.model import ModelSpec, load_model
+from hetplan.plan import Plan, load_plan
+from hetplan.report.table import breakdown_table, estimate_json, plans_table
+
+app = typer.Typer(
+    name="hetplan",
+    help="Plan and run large-model training on clusters of mixed GPUs.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+# a pipe gets wide lines rather than rich's 80-column default, so tables stay readable
+out = Console(width=None if sys.stdout.isatty() else 200)
+err = Console(stderr=True, width=None if sys.stderr.isatty() else 200)
+
+ModelOpt = Annotated[str, typer.Option("--model", "-m", help="Catalog name or config.json")]
+ClusterOpt = Annotated[
+    str, typer.Option("--cluster", "-c", help="Cluster YAML, or inline 'A100-80GB:4x8,T4:1x4'")
+]
+SeqOpt = Annotated[int | None, typer.Option("--seq-len", help="Override the sequence length")]
+PrecOpt = Annotated[
+    str | None, typer.Option("--precision", help="bf16 or fp16 (default: bf16 where supported)")
+]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object")]
+TraceOpt = Annotated[Path | None, typer.Option("--trace", help="Write a Chrome-trace JSON")]
+TimelineOpt = Annotated[Path | None, typer.Option("--timeline", help="Write a timeline PNG")]
+ParamsOpt = Annotated[
+    Path | None, typer.Option("--params", help="Cost-model parameters (hetplan calibrate)")
+]
+
+
+def _precision(cluster: Cluster, precision: str | None) -> str:
+    if precision is None:
+        return "bf16" if all(g.supports("bf16") for g in cluster.gpu_types_used()) else "fp16"
+    if precision not in ("bf16", "fp16", "fp32"):
+        raise InputError("--precision", f"{precision!r} is not bf16, fp16 or fp32")
+    for gpu in cluster.gpu_types_used():
+        if not gpu.supports(precision):
+            raise InputError("--precision", f"{gpu.name} has no {precision} support")
+    return precision
+
+
+def _batch(model: ModelSpec, global_batch: int | None) -> int:
+    if global_batch is None:
+        return model.default_global_batch
+    if global_batch <= 0:
+        raise InputError("--global-batch-size", "must be positive")
+    return global_batch
+
+
+def _write_pictures(
+    plan: Plan,
+    model: ModelSpec,
+    cluster: Cluster,
+    params: CostParams,
+    trace: Path | None,
+    timeline: Path | None,
+) -> None:
+    if trace is None and timeline is None:
+        return
+    recorded = estimate(plan, model, cluster, params, record=True)
+    if trace is not None:
+        from hetplan.report.trace import write_trace
+
+        write_trace(trace, plan, recorded)
+    if timeline is not None:
+        from hetplan.report.timeline import write_timeline
+
+        write_timeline(timeline, plan, recorded)
+
+
+def _no_fit_message(min_bytes: float, cluster: Cluster) -> str:
+    capacity = max(g.memory_bytes for g in cluster.gpu_types_used())
+    if min_bytes == float("inf"):
+        return "no plan: no parallel layout divides this model, batch and cluster"
+    return (
+        f"no plan fits in memory: the smallest per-GPU need of any plan is "
+        f"{min_bytes / 1e9:.1f} GB, the largest GPU has {capacity / 1e9:.1f} GB"
+    )
+
+
+@app.command()
+def plan(
+    model: ModelOpt,
+    cluster: ClusterOpt,
+    global_batch_size: Annotated[int | None, typer.Option("--global-batch-size", "-b")] = None,
+    seq_len: SeqOpt = None,
+    precision: PrecOpt = None,
+    top: Annotated[int, typer.Option("--top", "-k", help="How many plans to show")] = 5,
+    out_path: Annotated[Path | None, typer.Option("--out", "-o", help="Write best plan")] = None,
+    as_json: JsonOpt = False,
+    trace: TraceOpt = None,
+    timeline: TimelineOpt = None,
+    heterogeneous: Annotated[
+        bool, typer.Option("--heterogeneous", help="Asymmetric search on one GPU type too")
+    ] = False,
+    explain_best: Annotated[bool, typer.Option("--explain", help="Explain the best plan")] = False,
+    params_path: ParamsOpt = None,
+) -> None:
+    """Search the best parallel plans for a model on a cluster."""
+    spec = load_model(model, seq_len)
+    cl = load_cluster(cluster)
+    prec = _precision(cl, precision)
+    batch = _batch(spec, global_batch_size)
+    params = load_params(params_path)
+    if top <= 0:
+        raise InputError("--top", "must be positive")
+    start = time.perf_counter()
+    result: dict[str, Any] = {}
+    baselines: dict[str, Any] | None = None
+    if cl.is_homogeneous() and not heterogeneous:
+        from hetplan.search.homogeneous import search_homogeneous
+
+        res = search_homogeneous(spec, cl, batch, prec, top, params)
+        ranked, min_mem = res.ranked, res.min_memory_bytes
+        result["candidates"] = res.candidates
+        result["fitting"] = res.fitting
+    else:
+        from hetplan.search.heterogeneous import search_heterogeneous
+
+        hres = search_heterogeneous(spec, cl, batch, prec, top, params)
+        ranked, min_mem = hres.ranked, hres.min_memory_bytes
+        baselines = {
+            k: (None if v is None else estimate_json(*v)) for k, v in hres.baselines.items()
+        }
+        result["notes"] = hres.notes
+    elapsed = time.perf_counter() - start
+    if not ranked:
+        raise InputError("plan", _no_fit_message(min_mem, cl))
+    best_plan, best_est = ranked[0]
+    if out_path is not None:
+        best_plan.save(out_path)
+    _write_pictures(best_plan, spec, cl, params, trace, timeline)
+    if as_json:
+        result.update(
+            {
+                "model": spec.name,
+                "global_batch_size": batch,
+                "precision": prec,
+                "plans": [estimate_json(p, e) for p, e in ranked],
+                "search_time_s": elapsed,
+            }
+        )
+        if baselines is not None:
+            result["baselines"] = baselines
+        out.print_json(json.dumps(result))
+        return
+    title = (
+        f"{spec.name} on {cl.num_gpus} GPUs ({', '.join(g.name for g in cl.gpu_types_used())})"
+        f", batch {batch} x {spec.seq} tokens, {prec}: best plans "
+        f"(searched in {elapsed:.2f} s)"
+    )
+    out.print(plans_table(ranked, title))
+    if baselines is not None:
+        _print_baselines(best_est, baselines)
+    out.print(breakdown_table(best_est))
+    if explain_best:
+        _print_explain(best_plan, spec, cl, params)
+    if out_path is not None:
+        out.print(f"best plan written to {out_path}")
+
+
+def _print_baselines(best: Estimate, baselines: dict[str, Any]) -> None:
+    for name, label in (
+        ("single_type", "best single GPU type"),
+        ("uniform", "Megatron-style uniform plan"),
+    ):
+        base = baselines.get(name)
+        if base is None:
+            out.print(f"baseline {label}: no plan fits")
+        else:
+            speedup = base["iteration_time_s"] / best.iteration_time_s
+            out.print(
+                f"baseline {label}: {base['iteration_time_s']:.3f} s/iteration, "
+                f"chosen plan is {speedup:.2f}x faster"
+            )
+
+
+def _print_explain(plan_: Plan, spec: ModelSpec, cl: Cluster, params: CostParams) -> None:
+    from hetplan.report.explain import explain as explain_plan
+    from hetplan.report.explain import explain_table
+
+    out.print(explain_table(explain_plan(plan_, spec, cl, params)))
+
+
+@app.command()
+def predict(
+    model: ModelOpt,
+    cluster: ClusterOpt,
+    plan_path: Annotated[Path | None, typer.Option("--plan", help="Plan JSON file")] = None,
+    tp: Annotated[int | None, typer.Option("--tp")] = None,
+    pp: Annotated[int | None, typer.Option("--pp")] = None,
+    dp: Annotated[int | None, typer.Option("--dp")] = None,
+    micro_batch_size: Annotated[int | None, typer.Option("--micro-batch-size")] = None,
+    global_batch_size: Annotated[int | None, typer.Option("--global-batch-size", "-b")] = None,
+    recompute: Annotated[str, typer.Option("--recompute")] = "none",
+    schedule: Annotated[str, typer.Option("--schedule")] = "1F1B",
+    virtual_stages: Annotated[int, typer.Option("--virtual-stages")] = 1,
+    zero_stage: Annotated[int, typer.Option("--zero-stage")] = 0,
+    sequence_parallel: Annotated[bool, typer.Option("--sequence-parallel")] = False,
+    seq_len: SeqOpt = None,
+    precision: PrecOpt = None,
+    as_json: JsonOpt = False,
+    trace: TraceOpt = None,
+    timeline: TimelineOpt = None,
+    params_path: ParamsOpt = None,
+) -> None:
+    """Predict iteration time, memory, throughput and price of one plan."""
+    spec = load_model(model, seq_len)
+    cl = load_cluster(cluster)
+    params = load_params(params_path)
+    if plan_path is not None:
+        the_plan = load_plan(plan_path)
+    else:
+        missing = [
+            n
+            for n, v in (
+                ("--tp", tp),
+                ("--pp", pp),
+                ("--dp", dp),
+                ("--micro-batch-size", micro_batch_size),
+            )
+            if v is None
+        ]
+        if missing:
+            raise InputError(missing[0], "required without --plan")
+        assert tp is not None and pp is not None and dp is not None
+        assert micro_batch_size is not None
+        for name, value in (
+            ("--tp", tp),
+            ("--pp", pp),
+            ("--dp", dp),
+            ("--micro-batch-size", micro_batch_size),
+        ):
+            if value <= 0:
+                raise InputError(name, "must be positive")
+        gpn = {n.gpus for n in cl.nodes}
+        if any(tp > g for g in gpn):
+            raise InputError("--tp", f"{tp} exceeds the GPUs of a node ({min(gpn)})")
+        from hetplan.search.layout import uniform_plan
+
+        batch = _batch(spec, global_batch_size)
+        if (batch // dp) % micro_batch_size if batch % dp == 0 else False:
+            raise InputError(
+                "--micro-batch-size",
+                f"{micro_batch_size} does not divide the per-replica batch {batch // dp}",
+            )
+        the_plan = uniform_plan(
+            cl,
+            spec.layers,
+            tp,
+            pp,
+            dp,
+            micro_batch_size,
+            batch,
+            precision=_precision(cl, precision),
+            recompute=recompute,
+            zero_stage=zero_stage,
+            schedule=schedule,
+            virtual_stages=virtual_stages,
+            sequence_parallel=sequence_parallel,
+        )
+    est = estimate(the_plan, spec, cl, params)
+    _write_pictures(the_plan, spec, cl, params, trace, timeline)
+    if as_json:
+        out.print_json(json.dumps(estimate_json(the_plan, est)))
+        return
+    out.print(plans_table([(the_plan, est)], f"{spec.name}: predicted"))
+    out.print(breakdown_table(est))
+    if not est.fits:
+        worst = max(est.stages, key=lambda s: s.memory.total - s.capacity_bytes)
+        out.print(
+            f"[bold red]does not fit[/]: {worst.devices[0]} needs "
+            f"{worst.memory.total / 1e9:.1f} GB of {worst.capacity_bytes / 1e9:.1f} GB"
+        )
+
+
+@app.command()
+def explain(
+    plan_path: Annotated[Path, typer.Argument(help="Plan JSON file")],
+    model: ModelOpt,
+    cluster: ClusterOpt,
+    seq_len: SeqOpt = None,
+    as_json: JsonOpt = False,
+    params_path: ParamsOpt = None,
+) -> None:
+    """Explain a plan: per stage and replica times, memory headroom, the bottleneck."""
+    from hetplan.report.explain import explain as explain_plan
+    from hetplan.report.explain import explain_table
+
+    spec = load_model(model, seq_len)
+    cl = load_cluster(cluster)
+    the_plan = load_plan(plan_path)
+    info = explain_plan(the_plan, spec, cl, load_params(params_path))
+    if as_json:
+        out.print_json(json.dumps(info))
+    else:
+        out.print(explain_table(info))
+
+
+@app.command()
+def calibrate(
+    runs: Annotated[Path, typer.Option("--runs", help="CSV of measured runs")],
+    out_path: Annotated[Path | None, typer.Option("--out", help="Write fitted parameters")] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Fit the cost model's efficiency parameters to measured runs; report the error."""
+    from hetplan.cost.calibrate import calibrate_file
+
+    _, report = calibrate_file(runs, out_path)
+    if as_json:
+        out.print_json(json.dumps(report))
+        return
+    for key, value in report.items():
+        out.print(f"{key}: {value}")
+    if out_path is not None:
+        out.print(f"parameters written to {out_path}")
+
+
+def _mount_optional() -> None:
+    """Adds the runtime and SPMD commands (they need torch, imported only when run)."""
+    try:
+        from hetplan.runtime.cli import register
+    except ImportError:
+        pass
+    else:
+        register(app)
+    try:
+        from hetplan.spmd.cli import app as spmd_app
+    except ImportError:
+        pass
+    else:
+        app.add_typer(spmd_app, name="spmd", help="SPMD program synthesis (HAP-style)")
+
+
+_mount_optional()
+
+
+def main() -> None:
+    """Runs the CLI; bad input ends with one line naming the field and exit code 2."""
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        app(standalone_mode=False)
+    except InputError as exc:
+        err.print(f"[bold red]error[/]: {exc}", highlight=False, soft_wrap=True)
+        sys.exit(2)
+    except (typer.Abort, KeyboardInterrupt):
+        err.print("aborted")
+        sys.exit(130)
+    except Exception as exc:  # click's usage errors arrive here with standalone_mode off
+        import click
+
+        if isinstance(exc, click.exceptions.ClickException):
+            exc.show()
+            sys.exit(2)
+        if isinstance(exc, click.exceptions.Exit):
+            sys.exit(exc.exit_code)
+        raise

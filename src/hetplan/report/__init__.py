@@ -1,0 +1,1 @@
+"""Reports: rich tables, Chrome traces, timeline pictures, exports."""

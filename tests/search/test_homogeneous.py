@@ -1,0 +1,93 @@
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hetplan.cluster import parse_inline_cluster
+from hetplan.cost.estimate import estimate
+from hetplan.errors import InputError
+from hetplan.model import ModelSpec, load_model
+from hetplan.plan import validate_plan
+from hetplan.search.homogeneous import (
+    SearchSpace,
+    candidate_plan,
+    enumerate_candidates,
+    search_homogeneous,
+)
+
+
+def _brute_force_best(model, cluster, batch, precision):
+    gpn = cluster.nodes[0].gpus
+    best = None
+    for c in enumerate_candidates(model, cluster.num_gpus, gpn, batch, SearchSpace()):
+        plan = candidate_plan(model, cluster, c, batch, precision)
+        est = estimate(plan, model, cluster)
+        if est.fits and (best is None or est.iteration_time_s < best):
+            best = est.iteration_time_s
+    return best
+
+
+@pytest.mark.parametrize(("model", "cluster", "batch"), [
+    ("gpt2-medium", "T4:2x4", 32),
+    ("gpt3-1.3b", "V100-32GB:1x8", 64),
+    ("gpt3-2.7b", "A100-40GB:2x4", 32),
+])
+def test_search_matches_brute_force(model, cluster, batch):
+    spec = load_model(model)
+    cl = parse_inline_cluster(cluster)
+    precision = "fp16"
+    found = search_homogeneous(spec, cl, batch, precision, top_k=1)
+    best = _brute_force_best(spec, cl, batch, precision)
+    assert best is not None
+    assert found.ranked[0][1].iteration_time_s == pytest.approx(best, rel=1e-9)
+
+
+def test_deterministic():
+    spec = load_model("gpt3-1.3b")
+    cl = parse_inline_cluster("A100-80GB:2x8")
+    a = search_homogeneous(spec, cl, 128, "bf16", top_k=5)
+    b = search_homogeneous(spec, cl, 128, "bf16", top_k=5)
+    assert [p.to_dict() for p, _ in a.ranked] == [p.to_dict() for p, _ in b.ranked]
+
+
+def test_tensor_parallel_stays_inside_a_node():
+    spec = load_model("gpt3-6.7b")
+    cl = parse_inline_cluster("A100-40GB:4x4")
+    res = search_homogeneous(spec, cl, 64, "bf16", top_k=10)
+    for plan, _ in res.ranked:
+        for pipe in plan.pipelines:
+            for stage in pipe.stages:
+                assert len({d.split(":")[0] for d in stage.devices}) == 1
+
+
+def test_nothing_fits_reports_smallest_need():
+    spec = load_model("gpt3-175b")
+    cl = parse_inline_cluster("T4:1x4")
+    res = search_homogeneous(spec, cl, 8, "fp16")
+    assert not res.ranked
+    assert res.min_memory_bytes > 16e9
+
+
+def test_rejects_mixed_clusters():
+    with pytest.raises(InputError):
+        search_homogeneous(load_model("gpt2"), parse_inline_cluster("T4:1x4,L4:1x4"), 8, "fp16")
+
+
+@settings(max_examples=15, deadline=None)
+@given(
+    layers=st.integers(2, 12), hidden=st.sampled_from([256, 512, 1024]),
+    heads=st.sampled_from([4, 8]), nodes=st.integers(1, 3), gpn=st.sampled_from([1, 2, 4]),
+    gpu=st.sampled_from(["T4", "V100-16GB", "A100-40GB", "L4"]),
+    batch=st.sampled_from([4, 8, 12, 16]),
+)
+def test_every_returned_plan_validates_and_fits(layers, hidden, heads, nodes, gpn, gpu, batch):
+    spec = ModelSpec("rand", "gpt", layers, hidden, heads, heads, 4 * hidden, 8192, 512)
+    cl = parse_inline_cluster(f"{gpu}:{nodes}x{gpn}")
+    res = search_homogeneous(spec, cl, batch, "fp16", top_k=3)
+    for plan, est in res.ranked:
+        validate_plan(plan, spec, cl)
+        assert est.fits
+        assert est == est and est.iteration_time_s > 0
+        again = estimate(plan, spec, cl)
+        assert again.iteration_time_s == pytest.approx(est.iteration_time_s)
+    times = [e.iteration_time_s for _, e in res.ranked]
+    assert times == sorted(times)

@@ -1,0 +1,105 @@
+import json
+
+import pytest
+
+from hetplan.errors import InputError
+from hetplan.model import ModelSpec, catalog_models, load_model
+
+
+@pytest.mark.parametrize("name", ["gpt3-175b", "llama2-70b", "gpt3-6.7b"])
+def test_six_n_d_rule(name):
+    """Forward+backward FLOPs per token come to about 6 x parameters (attention adds a bit)."""
+    m = load_model(name)
+    ratio = m.model_flops_per_sequence() / (6 * m.total_params() * m.seq)
+    assert 0.98 < ratio < 1.25
+
+
+def test_gpt3_175b_parameter_count():
+    assert load_model("gpt3-175b").total_params() == pytest.approx(175e9, rel=0.02)
+    assert load_model("llama3-405b").total_params() == pytest.approx(405e9, rel=0.02)
+    assert load_model("llama2-7b").total_params() == pytest.approx(6.74e9, rel=0.02)
+
+
+def test_korthikanti_activation_bytes():
+    """GPT layer, no recomputation: s*b*h*(34 + 5*a*s/h); with TP t: 10 + 24/t (eq. 1-2)."""
+    m = load_model("gpt3-175b")
+    s, h, a = m.seq, m.hidden, m.heads
+    assert m.layer_activation_bytes(1, False, "none", False) == pytest.approx(
+        s * h * (34 + 5 * a * s / h)
+    )
+    t = 8
+    assert m.layer_activation_bytes(t, False, "none", False) == pytest.approx(
+        s * h * (10 + 24 / t + 5 * a * s / (h * t))
+    )
+    # sequence parallel + selective recomputation: 34 s h / t (eq. 5)
+    assert m.layer_activation_bytes(t, True, "selective", False) == pytest.approx(34 * s * h / t)
+    # full recomputation keeps the layer input only
+    assert m.layer_activation_bytes(t, False, "full", False) == pytest.approx(2 * s * h)
+
+
+def test_embedding_and_head_are_separate_pieces():
+    m = load_model("llama3-8b")
+    assert m.embedding_params() == m.vocab * m.hidden
+    assert m.head_params() == m.vocab * m.hidden + m.hidden
+    assert m.head_flops() == 2 * m.seq * m.hidden * m.vocab
+
+
+def test_catalog_names():
+    names = set(catalog_models())
+    for required in (
+        "gpt2-xl",
+        "gpt3-1.3b",
+        "gpt3-6.7b",
+        "gpt3-175b",
+        "llama2-13b",
+        "llama3-405b",
+        "mistral-7b",
+        "llama2-7b",
+        "llama2-70b",
+        "llama3-8b",
+        "llama3-70b",
+        "gpt3-125m",
+    ):
+        assert required in names
+
+
+def test_hf_configs(tmp_path):
+    llama = {
+        "hidden_size": 4096,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "intermediate_size": 14336,
+        "vocab_size": 32000,
+        "max_position_embeddings": 32768,
+        "tie_word_embeddings": False,
+    }
+    path = tmp_path / "mistral" / "config.json"
+    path.parent.mkdir()
+    path.write_text(json.dumps(llama))
+    m = load_model(str(path), seq_len=4096)
+    assert (m.family, m.kv_heads, m.seq, m.name) == ("llama", 8, 4096, "mistral")
+    gpt2 = {
+        "n_embd": 768,
+        "n_layer": 12,
+        "n_head": 12,
+        "n_inner": None,
+        "n_positions": 1024,
+        "vocab_size": 50257,
+    }
+    p2 = tmp_path / "config.json"
+    p2.write_text(json.dumps(gpt2))
+    m2 = load_model(str(p2))
+    assert (m2.family, m2.ffn, m2.seq) == ("gpt", 3072, 1024)
+    assert m2.total_params() == pytest.approx(124e6, rel=0.02)
+
+
+def test_bad_models(tmp_path):
+    with pytest.raises(InputError, match="unknown model"):
+        load_model("gpt5")
+    bad = tmp_path / "config.json"
+    bad.write_text('{"hidden_size": 64}')
+    with pytest.raises(InputError, match="num_attention_heads"):
+        load_model(str(bad))
+    with pytest.raises(InputError, match="heads"):
+        ModelSpec("x", "gpt", 2, 100, 3, 3, 400, 100, 16)
