@@ -24,7 +24,6 @@ from hetplan.model import ModelSpec
 from hetplan.plan import Plan
 from hetplan.search.layout import even_layer_split, uniform_plan
 
-
 FINALIST_MARGIN = 1.15
 """Candidates whose closed-form time is within this factor of the best are re-scored."""
 MAX_FINALISTS = 200
