@@ -1,0 +1,156 @@
+"""Plan-independent checkpoints: one file per unit (embedding, each layer, head) holding full
+(unsharded) parameters and Adam state, a manifest with step, data position and a SHA-256
+per file. Files go to a staging directory that is renamed into place once complete, so a
+crash never leaves a half checkpoint and a good checkpoint is never overwritten."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from hetplan.errors import InputError
+from hetplan.model import ModelSpec
+
+MANIFEST = "manifest.json"
+LATEST = "latest"
+FORMAT = 1
+SHAPE_FIELDS = ("family", "layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "seq")
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """What a checkpoint holds and where training stood."""
+
+    path: Path
+    step: int
+    data_position: int
+    """Sequences of the data stream consumed so far."""
+    seed: int
+    files: dict[str, str]
+    """File name -> SHA-256."""
+    model: dict[str, Any]
+
+
+def step_dir_name(step: int) -> str:
+    """Returns the directory name of the checkpoint at ``step``."""
+    return f"step_{step:08d}"
+
+
+def sha256_file(path: Path) -> str:
+    """Returns the hex SHA-256 of a file."""
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """Writes ``data`` to ``path`` through a temporary file, fsync and rename."""
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    with tmp.open("wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def model_fields(model: ModelSpec) -> dict[str, Any]:
+    """Returns the shape fields a checkpoint must agree on."""
+    return {k: getattr(model, k) for k in SHAPE_FIELDS}
+
+
+def resolve(ckpt: Path) -> Path:
+    """Returns the checkpoint directory named by ``ckpt`` (itself, or its 'latest')."""
+    if (ckpt / MANIFEST).is_file():
+        return ckpt
+    latest = ckpt / LATEST
+    if not ckpt.is_dir():
+        raise InputError("--checkpoint-dir", f"no such directory: {ckpt}")
+    if not latest.is_file():
+        raise InputError("--resume", f"no checkpoint in {ckpt} (no '{LATEST}' and no manifest)")
+    target = ckpt / latest.read_text().strip()
+    if not (target / MANIFEST).is_file():
+        raise InputError("--resume", f"{latest} points to {target.name}, which has no manifest")
+    return target
+
+
+def read_manifest(ckpt: Path) -> Manifest:
+    """Returns the manifest of the checkpoint at (or latest under) ``ckpt``."""
+    path = resolve(ckpt)
+    try:
+        data = json.loads((path / MANIFEST).read_text())
+        return Manifest(
+            path=path,
+            step=int(data["step"]),
+            data_position=int(data["data_position"]),
+            seed=int(data["seed"]),
+            files=dict(data["files"]),
+            model=dict(data["model"]),
+        )
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise InputError("--resume", f"{path / MANIFEST} is unreadable: {exc}") from None
+
+
+def verify_checkpoint(ckpt: Path, model: ModelSpec) -> Manifest:
+    """Returns the manifest after checking the model shape and every file's checksum."""
+    man = read_manifest(ckpt)
+    want = model_fields(model)
+    for key, value in want.items():
+        if man.model.get(key) != value:
+            raise InputError(
+                "--resume",
+                f"checkpoint {man.path} has {key}={man.model.get(key)!r}, the model {value!r}",
+            )
+    expected = {"embed.pt", "head.pt"} | {f"layer_{i:04d}.pt" for i in range(model.layers)}
+    missing = sorted(expected - set(man.files))
+    if missing:
+        raise InputError("--resume", f"checkpoint {man.path} lacks {missing[0]}")
+    for name, digest in man.files.items():
+        f = man.path / name
+        if not f.is_file():
+            raise InputError("--resume", f"checkpoint file {f} is missing")
+        if sha256_file(f) != digest:
+            raise InputError("--resume", f"checkpoint file {f} is corrupt (checksum mismatch)")
+    return man
+
+
+def staging_dir(root: Path, step: int) -> Path:
+    """Returns the staging directory for the checkpoint at ``step``."""
+    return root / f".staging-{step_dir_name(step)}"
+
+
+def begin(root: Path, step: int) -> bool:
+    """Prepares the staging directory; returns False if a checkpoint for ``step`` exists."""
+    if (root / step_dir_name(step) / MANIFEST).is_file():
+        return False
+    stage = staging_dir(root, step)
+    if stage.exists():
+        shutil.rmtree(stage)
+    stage.mkdir(parents=True)
+    return True
+
+
+def commit(
+    root: Path, step: int, data_position: int, seed: int, model: ModelSpec, files: dict[str, str]
+) -> Path:
+    """Writes the manifest, renames the staging directory into place, points 'latest' at it."""
+    stage = staging_dir(root, step)
+    manifest = {
+        "format": FORMAT,
+        "step": step,
+        "data_position": data_position,
+        "seed": seed,
+        "model": model_fields(model),
+        "files": dict(sorted(files.items())),
+    }
+    write_atomic(stage / MANIFEST, (json.dumps(manifest, indent=2) + "\n").encode())
+    final = root / step_dir_name(step)
+    os.rename(stage, final)
+    write_atomic(root / LATEST, (final.name + "\n").encode())
+    return final

@@ -1,0 +1,154 @@
+"""Start a plan's ranks with torchrun: itself on one machine, or one command per node."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+import tempfile
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from hetplan.cluster import Cluster, load_cluster
+from hetplan.errors import InputError
+from hetplan.model import ModelSpec, load_model
+from hetplan.plan import Plan, load_plan
+from hetplan.runtime import checkpoint as ckpt
+from hetplan.runtime.config import RunConfig, check_data_file
+from hetplan.runtime.layout import check_runtime_plan, device_order
+
+WORKER = "hetplan.runtime.worker"
+
+
+@dataclass(frozen=True)
+class Checked:
+    """The inputs of a run, checked before any process starts."""
+
+    plan: Plan
+    model: ModelSpec
+    cluster: Cluster
+    devices: list[str]
+    nodes: dict[str, int]
+    """Processes per node (nodes the plan uses, in cluster order)."""
+    resume_step: int | None
+
+
+def preflight(cfg: RunConfig) -> Checked:
+    """Returns the checked inputs of ``cfg``; raises InputError on any mismatch."""
+    model = load_model(cfg.model)
+    cluster = load_cluster(cfg.cluster)
+    plan = load_plan(Path(cfg.plan))
+    check_runtime_plan(plan, model, cluster)
+    if cfg.steps <= 0:
+        raise InputError("--steps", "must be positive")
+    if cfg.data is not None:
+        check_data_file(Path(cfg.data), model.vocab, model.seq)
+    resume_step = None
+    if cfg.resume:
+        if not cfg.checkpoint_dir:
+            raise InputError("--resume", "needs --checkpoint-dir")
+        resume_step = ckpt.verify_checkpoint(Path(cfg.checkpoint_dir), model).step
+    elif (
+        cfg.checkpoint_dir
+        and Path(cfg.checkpoint_dir).exists()
+        and not Path(cfg.checkpoint_dir).is_dir()
+    ):
+        raise InputError("--checkpoint-dir", f"{cfg.checkpoint_dir} is not a directory")
+    devices = device_order(plan, cluster)
+    nodes: dict[str, int] = {}
+    for d in devices:
+        nodes[d.rpartition(":")[0]] = nodes.get(d.rpartition(":")[0], 0) + 1
+    return Checked(plan, model, cluster, devices, nodes, resume_step)
+
+
+def worker_args(cfg: RunConfig) -> list[str]:
+    """Returns the worker's command-line arguments for ``cfg``."""
+    out: list[str] = []
+    for name, value in asdict(cfg).items():
+        flag = "--" + name.replace("_", "-")
+        if isinstance(value, bool):
+            out += [flag] if value else []
+        elif value is not None:
+            out += [flag, str(value)]
+    return out
+
+
+def local_command(cfg: RunConfig, nproc: int) -> list[str]:
+    """Returns the torchrun --standalone command that runs every rank on this machine."""
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nnodes=1",
+        f"--nproc-per-node={nproc}",
+        "-m",
+        WORKER,
+        *worker_args(cfg),
+    ]
+
+
+def node_commands(
+    cfg: RunConfig, checked: Checked, master_addr: str, port: int = 29500
+) -> list[tuple[str, list[str]]]:
+    """Returns (node, torchrun command) for each node the plan uses."""
+    out = []
+    for i, (node, n) in enumerate(checked.nodes.items()):
+        cmd = [
+            "torchrun",
+            f"--nnodes={len(checked.nodes)}",
+            f"--node-rank={i}",
+            f"--master-addr={master_addr}",
+            f"--master-port={port}",
+            f"--nproc-per-node={n}",
+            "-m",
+            WORKER,
+            *worker_args(replace(cfg, node=node)),
+        ]
+        out.append((node, cmd))
+    return out
+
+
+def format_command(cmd: list[str]) -> str:
+    """Returns ``cmd`` as one shell line."""
+    return shlex.join(cmd)
+
+
+def _env(threads: int) -> dict[str, str]:
+    env = dict(os.environ)
+    if threads > 0:
+        env["OMP_NUM_THREADS"] = str(threads)
+    src = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH")) if p)
+    return env
+
+
+def run_command(cmd: list[str], cfg: RunConfig, timeout_s: float | None) -> dict[str, Any]:
+    """Runs a torchrun command whose rank 0 writes cfg.result; returns that record."""
+    proc = subprocess.run(
+        cmd,
+        env=_env(cfg.threads),
+        stdout=None if cfg.progress else subprocess.PIPE,
+        stderr=None if cfg.progress else subprocess.PIPE,
+        text=True,
+        timeout=timeout_s,
+        check=False,
+    )
+    if proc.returncode != 0:
+        tail = "\n".join((proc.stderr or "").splitlines()[-30:])
+        raise RuntimeError(f"training failed (exit {proc.returncode}):\n{tail}")
+    if cfg.result is None:
+        return {}
+    record: dict[str, Any] = json.loads(Path(cfg.result).read_text())
+    return record
+
+
+def run_local(cfg: RunConfig, timeout_s: float | None = 600.0) -> dict[str, Any]:
+    """Checks the inputs, trains on this machine through torchrun, returns rank 0's record."""
+    checked = preflight(cfg)
+    with tempfile.TemporaryDirectory(prefix="hetplan-run-") as tmp:
+        local = replace(cfg, result=str(Path(tmp) / "result.json"))
+        return run_command(local_command(local, len(checked.devices)), local, timeout_s)

@@ -1,0 +1,223 @@
+"""The per-rank training loop; torchrun runs it as ``python -m hetplan.runtime.worker``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import statistics
+import time
+from dataclasses import asdict
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from hetplan.cluster import load_cluster
+from hetplan.model import load_model
+from hetplan.plan import load_plan
+from hetplan.runtime import checkpoint as ckpt
+from hetplan.runtime.config import RunConfig
+from hetplan.runtime.data import TokenSource
+from hetplan.runtime.grad_sync import LocalParam, local_params, sync_grads
+from hetplan.runtime.layout import EMBED, HEAD, RuntimeLayout, build_layout, device_order
+from hetplan.runtime.model_torch import StageModel, init_params
+from hetplan.runtime.pipeline import build_schedule, make_loss_fn, run_step
+from hetplan.runtime.state import gather_unit, load_unit, make_optimizer, restore_unit, save_unit
+
+log = logging.getLogger(__name__)
+
+
+def _devices(cfg: RunConfig, rank: int, world: int, order: list[str]) -> list[str]:
+    """Returns the plan device of every rank, agreed through an all-gather."""
+    if cfg.node is None:
+        mine = order[rank]
+    else:
+        local = [d for d in order if d.rpartition(":")[0] == cfg.node]
+        mine = local[int(os.environ.get("LOCAL_RANK", "0"))]
+    names: list[Any] = [None] * world
+    dist.all_gather_object(names, mine)
+    return [str(n) for n in names]
+
+
+class Trainer:
+    """One rank's share of the plan: its model chunks, optimizer, schedule and groups."""
+
+    def __init__(self, cfg: RunConfig) -> None:
+        self.cfg = cfg
+        self.model = load_model(cfg.model)
+        self.cluster = load_cluster(cfg.cluster)
+        self.plan = load_plan(Path(cfg.plan))
+        self.rank, world = dist.get_rank(), dist.get_world_size()
+        order = device_order(self.plan, self.cluster)
+        if world != len(order):
+            raise RuntimeError(f"plan needs {len(order)} processes, torchrun started {world}")
+        self.layout: RuntimeLayout = build_layout(
+            self.plan, self.model, self.cluster, _devices(cfg, self.rank, world, order)
+        )
+        groups = {r: dist.new_group(list(r)) for r in self.layout.all_groups()}
+        self.place = place = self.layout.places[self.rank]
+        self.tp_group = groups[place.tp_ranks] if place.tp > 1 else None
+        self.sync = [(g, groups[g.ranks]) for g in self.layout.sync_groups if self.rank in g.ranks]
+        self.device = _device(cfg.device)
+        self.modules = []
+        for c in place.chunks:
+            m = StageModel(self.model, c, place.tp, place.tp_index, self.tp_group)
+            init_params(m, cfg.seed, place.tp, place.tp_index)
+            self.modules.append(m.to(self.device))
+        self.params: list[LocalParam] = local_params(list(self.modules))
+        self.opt = make_optimizer([lp.param for lp in self.params], cfg.lr)
+        self.step, self.position = 0, 0
+        if cfg.resume and cfg.checkpoint_dir:
+            self._restore(Path(cfg.checkpoint_dir))
+        self.data = TokenSource(
+            self.model.vocab, self.model.seq, cfg.seed, Path(cfg.data) if cfg.data else None
+        )
+        loss_fn = make_loss_fn(self.plan.micro_batch_size, self.plan.global_batch_size)
+        pp_group = groups[place.pp_ranks]
+        self.sched = build_schedule(
+            self.plan.schedule, place, list(self.modules), self.device, pp_group, loss_fn
+        )
+
+    def _units(self) -> list[str]:
+        return list(dict.fromkeys(u for c in self.place.chunks for u in c.units()))
+
+    def _restore(self, root: Path) -> None:
+        man = ckpt.verify_checkpoint(root, self.model)
+        for unit in self._units():
+            mine = [lp for lp in self.params if lp.unit == unit]
+            state = load_unit(man.path / f"{unit}.pt")
+            restore_unit(state, mine, self.opt, self.place.tp, self.place.tp_index)
+        self.step, self.position = man.step, man.data_position
+
+    def train_step(self) -> float:
+        """Runs one optimizer step on the next global batch; returns the global mean loss."""
+        place = self.place
+        inputs, targets = self.data.batch(self.position + place.batch_offset, place.batch_size)
+        self.opt.zero_grad(set_to_none=True)
+        local = run_step(self.sched, place, inputs.to(self.device), targets.to(self.device))
+        sync_grads(self.params, self.sync, place.tp, place.tp_index)
+        self.opt.step()
+        counted = local if place.tp_index == 0 else 0.0
+        loss = torch.tensor([counted], dtype=torch.float64)
+        dist.all_reduce(loss)
+        self.step += 1
+        self.position += self.plan.global_batch_size
+        return float(loss.item())
+
+    def save(self, root: Path) -> None:
+        """Writes a checkpoint of the current step (collective over all ranks)."""
+        flag: list[Any] = [None]
+        if self.rank == 0:
+            root.mkdir(parents=True, exist_ok=True)
+            flag[0] = ckpt.begin(root, self.step)
+        dist.broadcast_object_list(flag, src=0)
+        if not flag[0]:
+            return
+        stage = ckpt.staging_dir(root, self.step)
+        files: dict[str, str] = {}
+        for unit in self._units():
+            owner = self.layout.owner(unit)
+            if self.rank not in owner.tp_ranks:
+                continue
+            mine = [lp for lp in self.params if lp.unit == unit]
+            state = gather_unit(mine, self.opt, self.place.tp, self.tp_group)
+            if self.rank == owner.rank:
+                path = stage / f"{unit}.pt"
+                save_unit(path, state)
+                files[path.name] = ckpt.sha256_file(path)
+        gathered: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, files)
+        if self.rank == 0:
+            merged = {k: v for part in gathered for k, v in part.items()}
+            ckpt.commit(root, self.step, self.position, self.cfg.seed, self.model, merged)
+        dist.barrier()
+
+
+def _device(name: str) -> torch.device:
+    if name == "cpu" or (name == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+
+
+def train(cfg: RunConfig) -> dict[str, Any]:
+    """Runs training on this rank (process group already initialised); returns the record."""
+    tr = Trainer(cfg)
+    steps: list[dict[str, Any]] = []
+    progress = _progress(cfg.steps - tr.step) if cfg.progress and tr.rank == 0 else None
+    while tr.step < cfg.steps:
+        t0 = time.perf_counter()
+        loss = tr.train_step()
+        dt = time.perf_counter() - t0
+        steps.append({"step": tr.step, "loss": loss, "time_s": dt})
+        if progress is not None:
+            tokens_s = tr.plan.global_batch_size * tr.model.seq / dt
+            progress[0].update(progress[1], advance=1, loss=loss, dt=dt, tps=tokens_s)
+        every = cfg.checkpoint_every
+        if cfg.checkpoint_dir and (tr.step == cfg.steps or (every and tr.step % every == 0)):
+            tr.save(Path(cfg.checkpoint_dir))
+    if progress is not None:
+        progress[0].stop()
+    timed = [s["time_s"] for s in steps[cfg.warmup_steps :]] or [s["time_s"] for s in steps]
+    return {
+        "steps": steps,
+        "measured_step_time_s": statistics.median(timed) if timed else None,
+        "final_step": tr.step,
+        "world_size": dist.get_world_size(),
+    }
+
+
+def _progress(total: int) -> Any:
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
+    bar = Progress(
+        TextColumn("step {task.completed}/{task.total}"),
+        BarColumn(),
+        TextColumn("{task.fields[dt]:.3f} s/step  {task.fields[tps]:,.0f} tok/s"),
+        TextColumn("loss {task.fields[loss]:.4f}"),
+        TimeRemainingColumn(),
+        console=Console(stderr=True),
+    )
+    task = bar.add_task("train", total=total, loss=float("nan"), dt=0.0, tps=0.0)
+    bar.start()
+    return bar, task
+
+
+def _parse(argv: list[str] | None) -> RunConfig:
+    ap = argparse.ArgumentParser(prog="hetplan.runtime.worker")
+    defaults = RunConfig("", "", "")
+    for name, value in asdict(defaults).items():
+        flag = "--" + name.replace("_", "-")
+        if isinstance(value, bool):
+            ap.add_argument(flag, action="store_true")
+        elif name in ("plan", "model", "cluster"):
+            ap.add_argument(flag, required=True)
+        else:
+            kind = type(value) if value is not None else str
+            ap.add_argument(flag, type=kind, default=value)
+    return RunConfig(**vars(ap.parse_args(argv)))
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point of one rank under torchrun."""
+    cfg = _parse(argv)
+    if cfg.threads > 0:
+        torch.set_num_threads(cfg.threads)
+    backend = "nccl" if _device(cfg.device).type == "cuda" else "gloo"
+    dist.init_process_group(backend, timeout=timedelta(seconds=300))
+    try:
+        record = train(cfg)
+        if dist.get_rank() == 0 and cfg.result:
+            ckpt.write_atomic(Path(cfg.result), json.dumps(record).encode())
+    finally:
+        dist.destroy_process_group()
+
+
+__all__ = ["EMBED", "HEAD", "RunConfig", "Trainer", "main", "train"]
+
+if __name__ == "__main__":
+    main()
