@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, replace
-from functools import cache
+from functools import cache, cached_property, lru_cache
 from importlib import resources
 from pathlib import Path
 from typing import Any, Literal
@@ -76,8 +76,15 @@ class ModelSpec:
         return self.family == "gpt"
 
     # ---- parameters -------------------------------------------------------------
+    @cached_property
+    def _layer_params(self) -> int:
+        return self._count_layer_params()
+
     def layer_params(self) -> int:
         """Returns the parameters of one transformer layer."""
+        return self._layer_params
+
+    def _count_layer_params(self) -> int:
         h, kv, f = self.hidden, self.kv_dim, self.ffn
         attn = h * (h + 2 * kv) + h * h
         mlp = (3 if self.gated else 2) * h * f
@@ -170,6 +177,13 @@ class ModelSpec:
         if seq <= 0:
             raise InputError("--seq-len", "must be positive")
         return replace(self, seq=seq)
+
+
+@lru_cache(maxsize=4096)
+def _layer_activation_bytes(
+    model: ModelSpec, tp: int, sequence_parallel: bool, recompute: str, flash_attention: bool
+) -> float:
+    return model._activation_bytes(tp, sequence_parallel, recompute, flash_attention)
 
 
 @cache

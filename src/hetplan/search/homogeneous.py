@@ -211,7 +211,7 @@ def _score_s(
         nodes = cluster.nodes
         members = [nodes[(r * c.tp) // gpn % len(nodes)] for r in range(c.dp)]
         spans = len({n.name for n in members}) > 1
-        conc = {n.name: min(gpn, c.tp * c.dp) for n in nodes} if spans else {}
+        conc = {n.name: min(gpn, c.tp * c.dp) for n in members} if spans else {}
         if c.zero_stage == 3:
             compute = lt.forward_s + lt.backward_s
             gather = comm.group_allreduce_s(

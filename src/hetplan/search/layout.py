@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from functools import cache
+
 from hetplan.cluster import Cluster
 from hetplan.errors import InputError
 from hetplan.plan import Pipeline, Plan, Stage
@@ -10,12 +12,17 @@ from hetplan.plan import Pipeline, Plan, Stage
 def even_layer_split(layers: int, stages: int) -> list[int]:
     """Returns layers per stage as even as possible; extra layers go to the middle stages,
     since the first and last stages also hold the embedding and the head."""
+    return list(_even_split(layers, stages))
+
+
+@cache
+def _even_split(layers: int, stages: int) -> tuple[int, ...]:
     base, extra = divmod(layers, stages)
     out = [base] * stages
     order = sorted(range(stages), key=lambda i: (i in (0, stages - 1), abs(i - stages / 2)))
     for i in order[:extra]:
         out[i] += 1
-    return out
+    return tuple(out)
 
 
 def uniform_plan(

@@ -1,0 +1,185 @@
+"""Cost tables of one device class under one set of knobs, and pipeline templates.
+
+The tables use the same compute, communication and memory functions as ``estimate``;
+the search reads only these numbers, so tests can replace them with random ones.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+
+from hetplan.cost import comm
+from hetplan.cost.compute import embedding_times, head_times, layer_times
+from hetplan.cost.memory import stage_activation_bytes, stage_params, state_bytes
+from hetplan.cost.params import CostParams
+from hetplan.model import ModelSpec
+from hetplan.search.grouping import DeviceClass
+from hetplan.search.partition import Partition, uniform_frontier
+
+
+@dataclass(frozen=True)
+class Knobs:
+    """Per-plan choices shared by every stage."""
+
+    micro_batch: int
+    recompute: str
+    zero_stage: int
+    dp_assumed: int
+    """Data-parallel degree the ZeRO memory saving assumes (a lower bound of the plan's)."""
+    precision: str
+    flash_attention: bool
+
+
+@dataclass
+class ClassTable:
+    """Per-micro-batch times and memory of one class at one tensor-parallel degree."""
+
+    cls: DeviceClass
+    tp: int
+    layer_s: float
+    """One transformer layer, forward + backward + recomputation + TP all-reduces."""
+    embedding_s: float
+    head_s: float
+    send_intra_s: float
+    send_inter_s: float
+    groups: int
+    model: ModelSpec
+    knobs: Knobs
+    reserve_bytes: float
+    _caps: dict[tuple[int, int], int] = field(default_factory=dict)
+
+    def stage_bytes(self, layers: int, j: int, p: int) -> float:
+        """Returns the peak bytes of a stage at position ``j`` of ``p`` holding ``layers``."""
+        k, m = self.knobs, self.model
+        first, last = j == 0, j == p - 1
+        params = stage_params(m, layers, self.tp, first, last, p == 1)
+        w, g, o = state_bytes(params, k.precision, k.zero_stage, k.dp_assumed)
+        acts = stage_activation_bytes(
+            m, layers, self.tp, k.micro_batch, self.tp > 1, k.recompute,
+            k.flash_attention, first, last, p - j, 1,
+        )  # fmt: skip
+        return w + g + o + acts + self.reserve_bytes
+
+    def max_layers(self, j: int, p: int) -> int:
+        """Returns the most layers a stage at position ``j`` of ``p`` holds in memory."""
+        key = (j, p)
+        if key not in self._caps:
+            cap = self.cls.gpu.memory_bytes
+            one = self.stage_bytes(1, j, p)
+            if one > cap:
+                self._caps[key] = 0
+            else:
+                slope = self.stage_bytes(2, j, p) - one
+                self._caps[key] = self.model.layers if slope <= 0 else 1 + int((cap - one) // slope)
+        return min(self._caps[key], self.model.layers)
+
+
+def class_table(
+    model: ModelSpec, cls: DeviceClass, tp: int, knobs: Knobs, params: CostParams
+) -> ClassTable:
+    """Returns the cost table of ``cls`` at tensor-parallel degree ``tp``."""
+    node = cls.nodes[0]
+    eff = params.gpu(cls.gpu.name)
+    mb, prec = knobs.micro_batch, knobs.precision
+    lt = layer_times(model, cls.gpu, eff, tp, mb, prec, knobs.flash_attention)
+    rc = {"none": 0.0, "selective": lt.selective_recompute_s, "full": lt.forward_s}
+    act = mb * model.seq * model.hidden * (4 if prec == "fp32" else 2)
+    ar = comm.intra_node_allreduce_s(act, tp, node, params)
+    n_ar = 4 + (2 if knobs.recompute == "full" else 0)
+    peer = replace(node, name=node.name + "~peer")  # another node with the same links
+    et = embedding_times(model, cls.gpu, eff, tp, mb, prec)
+    ht = head_times(model, cls.gpu, eff, tp, mb, prec)
+    return ClassTable(
+        cls=cls,
+        tp=tp,
+        layer_s=lt.forward_s + lt.backward_s + rc[knobs.recompute] + n_ar * ar,
+        embedding_s=et.forward_s + et.backward_s + ar,
+        head_s=ht.forward_s + ht.backward_s + ar,
+        send_intra_s=comm.p2p_s(act / tp, node, node, params),
+        send_inter_s=comm.p2p_s(act / tp, node, peer, params, concurrency=tp),
+        groups=len(cls.groups(tp)),
+        model=model,
+        knobs=knobs,
+        reserve_bytes=params.memory_reserve_bytes,
+    )
+
+
+@dataclass(frozen=True)
+class Template:
+    """One pipeline shape: class index per stage (in order) and its best layer splits."""
+
+    classes: tuple[int, ...]
+    counts: tuple[int, ...]
+    frontier: tuple[Partition, ...]
+    extra_s: float
+    """Send latency added to the fill (forward and backward crossings)."""
+
+
+def stage_arrays(
+    tables: list[ClassTable], seq: tuple[int, ...]
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, float]:
+    """Returns per-stage (time per layer, fixed time, max layers) and the send total."""
+    p = len(seq)
+    tau = np.array([tables[k].layer_s for k in seq])
+    fixed = np.zeros(p)
+    fixed[0] += tables[seq[0]].embedding_s
+    fixed[-1] += tables[seq[-1]].head_s
+    caps = np.array([tables[k].max_layers(j, p) for j, k in enumerate(seq)], dtype=np.int64)
+    sends = 0.0
+    for j in range(p - 1):
+        a, b = seq[j], seq[j + 1]
+        same = a == b and tables[a].cls.gpus_per_node >= 2 * tables[a].tp
+        s = tables[a].send_intra_s if same else max(tables[a].send_inter_s, tables[b].send_inter_s)
+        sends += 2 * s
+    return tau, fixed, caps, sends
+
+
+def make_template(tables: list[ClassTable], seq: tuple[int, ...], layers: int) -> Template | None:
+    """Returns the template of a stage sequence, or None if the layers cannot fit."""
+    tau, fixed, caps, sends = stage_arrays(tables, seq)
+    frontier = uniform_frontier(tau, fixed, caps, layers)
+    if not frontier:
+        return None
+    counts = tuple(seq.count(k) for k in range(len(tables)))
+    return Template(seq, counts, tuple(frontier), sends)
+
+
+def class_orders(tables: list[ClassTable]) -> list[tuple[int, ...]]:
+    """Returns the class orders tried along a pipeline: large memory first, fast first."""
+    ks = range(len(tables))
+    by_mem = tuple(sorted(ks, key=lambda k: (-tables[k].cls.gpu.memory_bytes, tables[k].layer_s)))
+    by_speed = tuple(sorted(ks, key=lambda k: (tables[k].layer_s, -tables[k].cls.gpu.memory_bytes)))
+    out = [by_mem, by_speed]
+    if len(tables) <= 3:
+        out += list(itertools.permutations(ks))
+    return list(dict.fromkeys(out))
+
+
+def compositions(
+    avail: list[int], max_stages: int, budget: int, max_share: int | None = None
+) -> list[tuple[int, ...]]:
+    """Returns group counts per class for one pipeline: all of them when few, else the
+    near-even shares ``floor/ceil(n_k / d)`` over subsets of classes, for d up to
+    ``max_share`` (the most pipelines that share one subset)."""
+    k = len(avail)
+    total = math.prod(min(a, max_stages) + 1 for a in avail)
+    if total <= budget:
+        ranges = [range(min(a, max_stages) + 1) for a in avail]
+        return [c for c in itertools.product(*ranges) if 1 <= sum(c) <= max_stages]
+    out: set[tuple[int, ...]] = set()
+    for mask in range(1, 2**k):
+        members = [i for i in range(k) if mask >> i & 1]
+        most = sum(avail[i] for i in members)
+        for d in range(1, min(most, max_share or most) + 1):
+            options = [
+                sorted({avail[i] // d, -(-avail[i] // d)}) if i in members else [0]
+                for i in range(k)
+            ]
+            for c in itertools.product(*options):
+                if 1 <= sum(c) <= max_stages:
+                    out.add(c)
+    return sorted(out)

@@ -1,0 +1,187 @@
+"""Layer partition of one pipeline and batch split across pipelines, on cost arrays.
+
+A pipeline running ``m`` micro-batches on stages with per-micro-batch times ``t_j`` is
+modelled as ``fill + (m - 1) * bottleneck`` with ``fill = sum(t_j) + extra`` and
+``bottleneck = max(t_j)`` (the 1F1B steady state). Both solvers below are exact for that
+objective; ``estimate`` replays the real schedule on the plans built from them.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+
+import numpy as np
+from numpy.typing import NDArray
+
+FloatArray = NDArray[np.float64]
+IntArray = NDArray[np.int64]
+
+
+@dataclass(frozen=True)
+class Partition:
+    """Layers per stage of one pipeline and the resulting per-micro-batch stage times."""
+
+    layers: tuple[int, ...]
+    stage_s: tuple[float, ...]
+
+    @property
+    def bottleneck_s(self) -> float:
+        """Returns the slowest stage's time per micro-batch."""
+        return max(self.stage_s)
+
+    @property
+    def fill_s(self) -> float:
+        """Returns the sum of stage times (one micro-batch through the whole pipeline)."""
+        return float(sum(self.stage_s))
+
+    def time_s(self, micro_batches: int) -> float:
+        """Returns the modelled pipeline time for ``micro_batches`` micro-batches."""
+        return self.fill_s + (micro_batches - 1) * self.bottleneck_s
+
+
+def _min_sum_dp(
+    cost: FloatArray, feasible: NDArray[np.bool_], layers: int
+) -> tuple[float, list[int]] | None:
+    """Returns the least total stage time over contiguous splits, with its layer counts.
+
+    ``cost[j, a, b]`` is stage j's time on layers [a, b); ``feasible`` masks allowed ranges.
+    """
+    p = cost.shape[0]
+    inf = np.inf
+    best = np.full(layers + 1, inf)
+    best[0] = 0.0
+    choice = np.zeros((p, layers + 1), dtype=np.int64)
+    for j in range(p):
+        total = best[:, None] + np.where(feasible[j], cost[j], inf)
+        choice[j] = np.argmin(total, axis=0)
+        best = total[choice[j], np.arange(layers + 1)]
+    if not np.isfinite(best[layers]):
+        return None
+    counts, end = [], layers
+    for j in range(p - 1, -1, -1):
+        start = int(choice[j, end])
+        counts.append(end - start)
+        end = start
+    return float(best[layers]), counts[::-1]
+
+
+def partition_layers(
+    layer_s: FloatArray,
+    fixed_s: FloatArray,
+    max_layers: IntArray,
+    micro_batches: int,
+    min_layers: int = 1,
+) -> Partition | None:
+    """Returns the contiguous layer split minimising ``fill + (m-1) * bottleneck``, or None.
+
+    ``layer_s[j, l]``: time of layer l on stage j per micro-batch (layers may differ);
+    ``fixed_s[j]``: stage j's time independent of its layers (embedding, head);
+    ``max_layers[j]``: most layers stage j holds in memory. Exact: it runs a min-sum DP
+    under each candidate bottleneck, in increasing order, until no larger one can win.
+    """
+    p, n = layer_s.shape
+    cum = np.concatenate([np.zeros((p, 1)), np.cumsum(layer_s, axis=1)], axis=1)
+    a = np.arange(n + 1)
+    span = a[None, :] - a[:, None]
+    cost = fixed_s[:, None, None] + cum[:, None, :] - cum[:, :, None]
+    feasible = (span[None] >= min_layers) & (span[None] <= np.asarray(max_layers)[:, None, None])
+    base = _min_sum_dp(cost, feasible, n)
+    if base is None:
+        return None
+    min_sum = base[0]
+    thresholds = np.unique(cost[feasible])
+    best: tuple[float, list[int]] | None = None
+    for t in thresholds:
+        if best is not None and (micro_batches - 1) * t + min_sum >= best[0]:
+            break
+        found = _min_sum_dp(cost, feasible & (cost <= t), n)
+        if found is None:
+            continue
+        counts = found[1]
+        stage = _stage_times(cum, fixed_s, counts)
+        value = sum(stage) + (micro_batches - 1) * max(stage)
+        if best is None or value < best[0]:
+            best = (value, counts)
+    assert best is not None
+    return Partition(tuple(best[1]), tuple(_stage_times(cum, fixed_s, best[1])))
+
+
+def _stage_times(cum: FloatArray, fixed_s: FloatArray, counts: list[int]) -> list[float]:
+    out, start = [], 0
+    for j, c in enumerate(counts):
+        out.append(float(fixed_s[j] + cum[j, start + c] - cum[j, start]))
+        start += c
+    return out
+
+
+def uniform_frontier(
+    per_layer_s: FloatArray, fixed_s: FloatArray, max_layers: IntArray, layers: int
+) -> list[Partition]:
+    """Returns the Pareto set of (bottleneck, fill) splits when every layer costs the same.
+
+    For each candidate bottleneck T, the fastest stages are filled first up to what fits
+    under T and in memory, which minimises the fill; any optimum of ``fill + (m-1) *
+    bottleneck`` for any m is on the returned list. Empty when no split fits.
+    """
+    tau = np.asarray(per_layer_s, dtype=float)
+    fixed = np.asarray(fixed_s, dtype=float)
+    cap = np.minimum(np.asarray(max_layers, dtype=np.int64), layers)
+    p = len(tau)
+    if p > layers or np.any(cap < 1) or int(cap.sum()) < layers:
+        return []
+    ls = np.arange(1, layers + 1)
+    cand = (fixed[:, None] + ls[None, :] * tau[:, None])[ls[None, :] <= cap[:, None]]
+    thresholds = np.unique(cand)
+    eps = 1e-12 * max(1.0, float(thresholds[-1]))
+    under = np.floor((thresholds[:, None] - fixed[None, :] + eps) / tau[None, :]).astype(np.int64)
+    caps = np.minimum(under, cap[None, :])
+    ok = np.all(caps >= 1, axis=1) & (caps.sum(axis=1) >= layers)
+    if not np.any(ok):
+        return []
+    caps = caps[ok]
+    order = np.argsort(tau, kind="stable")
+    extra = caps[:, order] - 1
+    before = np.cumsum(extra, axis=1) - extra
+    assigned = np.clip(layers - p - before, 0, extra)
+    counts = np.empty_like(assigned)
+    counts[:, order] = assigned + 1
+    stage = fixed[None, :] + counts * tau[None, :]
+    bott = stage.max(axis=1)
+    fill = stage.sum(axis=1)
+    out: list[Partition] = []
+    last_fill = np.inf
+    for i in np.lexsort((fill, bott)):
+        if fill[i] < last_fill * (1 - 1e-12):
+            out.append(Partition(tuple(int(c) for c in counts[i]), tuple(map(float, stage[i]))))
+            last_fill = fill[i]
+    return out
+
+
+def best_on_frontier(frontier: list[Partition], micro_batches: int) -> Partition:
+    """Returns the frontier split with the least time for ``micro_batches``."""
+    return min(frontier, key=lambda q: q.time_s(micro_batches))
+
+
+def split_batch(fill_s: list[float], bottleneck_s: list[float], total: int) -> list[int] | None:
+    """Returns micro-batches per pipeline (each >= 1, summing to ``total``) minimising the
+    slowest ``fill + (m-1) * bottleneck``; None if there are more pipelines than units.
+
+    Greedy on the time after one more unit; exact for this min-max of increasing terms.
+    """
+    n = len(fill_s)
+    if n == 0 or total < n:
+        return None
+    counts = [1] * n
+    heap = [(fill_s[i] + bottleneck_s[i], i) for i in range(n)]
+    heapq.heapify(heap)
+    for _ in range(total - n):
+        _, i = heapq.heappop(heap)
+        counts[i] += 1
+        heapq.heappush(heap, (fill_s[i] + counts[i] * bottleneck_s[i], i))
+    return counts
+
+
+def split_time_s(fill_s: list[float], bottleneck_s: list[float], counts: list[int]) -> float:
+    """Returns the slowest pipeline's modelled time for a batch split."""
+    return max(f + (m - 1) * b for f, b, m in zip(fill_s, bottleneck_s, counts, strict=True))

@@ -1,0 +1,98 @@
+"""The heterogeneous planner: valid plans, baselines, identical GPUs, infeasible inputs."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from hetplan.cluster import parse_inline_cluster
+from hetplan.cost.estimate import estimate
+from hetplan.model import ModelSpec, load_model
+from hetplan.plan import validate_plan
+from hetplan.report.explain import explain, explain_table
+from hetplan.search.heterogeneous import search_heterogeneous
+from hetplan.search.homogeneous import search_homogeneous
+
+TINY = ModelSpec("tiny", "gpt", 8, 512, 8, 8, 2048, 8192, 512)
+
+
+def _check_ranked(result, model, cluster):
+    assert result.ranked
+    times = [e.iteration_time_s for _, e in result.ranked]
+    assert times == sorted(times)
+    for plan, est in result.ranked:
+        validate_plan(plan, model, cluster)
+        again = estimate(plan, model, cluster)
+        assert again.fits
+        assert again.iteration_time_s == pytest.approx(est.iteration_time_s)
+        assert all(s.memory.total <= s.capacity_bytes for s in again.stages)
+
+
+def test_mixed_cluster_beats_both_baselines():
+    model = load_model("gpt3-350m")
+    cluster = parse_inline_cluster("A100-80GB:1x4,V100-32GB:1x4")
+    res = search_heterogeneous(model, cluster, 32, "fp16")
+    _check_ranked(res, model, cluster)
+    best = res.ranked[0][1].iteration_time_s
+    single, uniform = res.baselines["single_type"], res.baselines["uniform"]
+    assert single is not None and uniform is not None
+    assert best < single[1].iteration_time_s
+    assert best < uniform[1].iteration_time_s
+    gpus = {cluster.device_node(d).gpu.name for d in res.ranked[0][0].devices()}
+    assert gpus == {"A100-80GB", "V100-32GB"}
+
+
+def test_identical_gpus_match_homogeneous_search():
+    model = load_model("gpt3-350m")
+    cluster = parse_inline_cluster("A100-80GB:2x4")
+    het = search_heterogeneous(model, cluster, 32, "bf16")
+    hom = search_homogeneous(model, cluster, 32, "bf16")
+    assert het.ranked[0][1].iteration_time_s == pytest.approx(
+        hom.ranked[0][1].iteration_time_s, rel=1e-9
+    )
+
+
+def test_model_too_large_for_all_gpus_says_so():
+    model = load_model("llama2-70b")
+    cluster = parse_inline_cluster("T4:1x2,V100-16GB:1x2")
+    res = search_heterogeneous(model, cluster, 32, "fp16")
+    assert res.ranked == []
+    assert any("needs at least" in n and "GB" in n for n in res.notes)
+    assert res.min_memory_bytes > 16e9
+
+
+def test_gpus_without_the_precision_are_left_out_with_a_note():
+    cluster = parse_inline_cluster("A100-80GB:1x2,V100-32GB:1x2")
+    res = search_heterogeneous(TINY, cluster, 8, "bf16")
+    assert any("V100-32GB has no bf16" in n for n in res.notes)
+    for plan, _ in res.ranked:
+        assert all(d.startswith("a100") for d in plan.devices())
+
+
+def test_explain_reports_stages_replicas_and_bottleneck():
+    cluster = parse_inline_cluster("A100-80GB:1x2,T4:1x2")
+    res = search_heterogeneous(TINY, cluster, 16, "fp16")
+    plan = res.ranked[0][0]
+    ex = explain(plan, TINY, cluster)
+    assert sum(s["layers"] for s in ex["stages"]) == TINY.layers * plan.dp
+    assert sum(r["batch_size"] for r in ex["replicas"]) == 16
+    assert all(s["headroom_gb"] >= 0 for s in ex["stages"])
+    assert ex["iteration_time_s"] == pytest.approx(res.ranked[0][1].iteration_time_s)
+    assert len(explain_table(ex)) == 3
+
+
+GPUS = ["A100-80GB", "V100-32GB", "T4", "A10"]
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    st.lists(st.sampled_from(GPUS), min_size=2, max_size=3, unique=True),
+    st.lists(st.sampled_from([1, 2, 4]), min_size=3, max_size=3),
+    st.sampled_from([8, 16]),
+)
+def test_every_returned_plan_validates_and_fits(types, sizes, batch):
+    spec = ",".join(f"{t}:1x{n}" for t, n in zip(types, sizes, strict=False))
+    cluster = parse_inline_cluster(spec)
+    res = search_heterogeneous(TINY, cluster, batch, "fp16")
+    _check_ranked(res, TINY, cluster)
