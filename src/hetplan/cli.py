@@ -335,6 +335,82 @@ def calibrate(
         out.print(f"parameters written to {out_path}")
 
 
+@app.command()
+def provision(
+    model: ModelOpt,
+    tokens: Annotated[str, typer.Option("--tokens", help="Tokens to train on, e.g. 300e9")],
+    market: Annotated[
+        str | None, typer.Option("--market", help="Market YAML (default: the shipped one)")
+    ] = None,
+    deadline: Annotated[str | None, typer.Option("--deadline", help="e.g. 30d, 12h")] = None,
+    budget_usd: Annotated[str | None, typer.Option("--budget-usd", help="e.g. 2e6")] = None,
+    max_usd_per_hour: Annotated[str | None, typer.Option("--max-usd-per-hour")] = None,
+    objective: Annotated[str, typer.Option("--objective", help="time, cost or balanced")] = (
+        "balanced"
+    ),
+    spot: Annotated[bool, typer.Option("--spot", help="Rent spot instances")] = False,
+    checkpoint_interval: Annotated[
+        str, typer.Option("--checkpoint-interval", help="Spot: work lost is half of it")
+    ] = "30m",
+    global_batch_size: Annotated[int | None, typer.Option("--global-batch-size", "-b")] = None,
+    seq_len: SeqOpt = None,
+    precision: Annotated[str, typer.Option("--precision")] = "fp16",
+    as_json: JsonOpt = False,
+    plot: Annotated[Path | None, typer.Option("--plot", help="Write the front as PNG")] = None,
+    params_path: ParamsOpt = None,
+) -> None:
+    """Choose which GPUs to rent: the time-versus-dollars front and a recommendation."""
+    from hetplan.market import load_market
+    from hetplan.report.pareto import front_table, result_json, write_pareto_plot
+    from hetplan.search.provision import Constraints
+    from hetplan.search.provision import provision as run_provision
+    from hetplan.search.spot import SpotTerms
+    from hetplan.units import parse_count, parse_duration_s
+
+    if objective not in ("time", "cost", "balanced"):
+        raise InputError("--objective", f"{objective!r} is not time, cost or balanced")
+    if precision not in ("bf16", "fp16", "fp32"):
+        raise InputError("--precision", f"{precision!r} is not bf16, fp16 or fp32")
+    spec = load_model(model, seq_len)
+    mk = load_market(market)
+    n_tokens = parse_count(tokens, "--tokens")
+    constraints = Constraints(
+        deadline_s=None if deadline is None else parse_duration_s(deadline, "--deadline"),
+        budget_usd=None if budget_usd is None else parse_count(budget_usd, "--budget-usd"),
+        max_usd_per_hour=None
+        if max_usd_per_hour is None
+        else parse_count(max_usd_per_hour, "--max-usd-per-hour"),
+    )
+    terms = SpotTerms(parse_duration_s(checkpoint_interval, "--checkpoint-interval"))
+    res = run_provision(
+        spec,
+        mk,
+        n_tokens,
+        _batch(spec, global_batch_size),
+        precision,
+        spot,
+        objective,
+        constraints,
+        load_params(params_path),
+        terms,
+    )
+    if plot is not None:
+        write_pareto_plot(plot, res, constraints)
+    if as_json:
+        out.print_json(json.dumps(result_json(res)))
+        return
+    title = (
+        f"{spec.name}, {n_tokens:.3g} tokens: time-versus-cost front "
+        f"({res.planned} configurations planned, {res.pruned} pruned, "
+        f"{res.search_time_s:.1f} s)"
+    )
+    out.print(front_table(res, title))
+    if res.recommended is None:
+        out.print(f"[bold red]no recommendation[/]: {res.reason}")
+    else:
+        out.print(f"recommended (*): {res.reason}")
+
+
 def _mount_optional() -> None:
     """Adds the runtime and SPMD commands (they need torch, imported only when run)."""
     try:

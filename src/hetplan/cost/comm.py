@@ -23,7 +23,7 @@ def intra_node_allreduce_s(size_bytes: float, n: int, node: Node, params: CostPa
     """Returns a ring all-reduce time among ``n`` GPUs of one node."""
     if n <= 1:
         return 0.0
-    bw = node.intra_node_bytes_per_s * params.link_efficiency
+    bw = node.intra_node_bytes_per_s * params.link_efficiency_of(node.gpu.name)
     return ring_allreduce_bytes(size_bytes, n) / bw + 2 * (n - 1) * params.intra_latency_s
 
 
@@ -45,6 +45,8 @@ def group_allreduce_s(
     gives, per node name, how many of its devices talk across nodes at the same time (they
     share its network link); default: this group's own members on the node. ``volume``
     scales the traffic (0.5 for an all-gather or a reduce-scatter alone, 1.5 for ZeRO-3).
+    Across nodes it is a reduce-scatter inside each node, an all-reduce of the shards across
+    nodes (the node's link shared by its concurrent talkers), then an all-gather inside.
     """
     n = len(members)
     if n <= 1 or size_bytes <= 0:
@@ -68,9 +70,12 @@ def group_allreduce_s(
         nodes[name].network_bytes_per_s / max(conc.get(name, local), 1)
         for name, local in per_node.items()
     )
-    inter = ring_allreduce_bytes(shard, num_nodes) / (share * params.link_efficiency)
+    eff = min(params.link_efficiency_of(n.gpu.name) for n in nodes.values())
+    inter = ring_allreduce_bytes(shard, num_nodes) / (share * eff)
     latency = 2 * (num_nodes - 1) * params.inter_latency_s
-    return volume * (intra + inter + latency)
+    # NCCL pipelines chunks through the intra- and inter-node hops at once: the slower
+    # phase sets the time, not their sum
+    return volume * (max(intra, inter) + latency)
 
 
 def p2p_s(
@@ -83,8 +88,8 @@ def p2p_s(
     if size_bytes <= 0:
         return 0.0
     if src.name == dst.name:
-        return size_bytes / (src.intra_node_bytes_per_s * params.link_efficiency) + (
-            params.intra_latency_s
-        )
-    bw = min(src.network_bytes_per_s, dst.network_bytes_per_s) * params.link_efficiency
+        eff = params.link_efficiency_of(src.gpu.name)
+        return size_bytes / (src.intra_node_bytes_per_s * eff) + params.intra_latency_s
+    eff = min(params.link_efficiency_of(src.gpu.name), params.link_efficiency_of(dst.gpu.name))
+    bw = min(src.network_bytes_per_s, dst.network_bytes_per_s) * eff
     return size_bytes * concurrency / bw + params.inter_latency_s

@@ -30,7 +30,16 @@ from hetplan.plan import Plan, validate_plan
 
 
 class LayerTimeSource(Protocol):
-    """Measured per-layer times (a profile database), consulted before the analytical model."""
+    """Measured per-layer times (a profile database), consulted before the analytical model.
+
+    A source may also offer, and ``estimate`` then uses where they return a value:
+    ``part_times(gpu, model, part, tp, micro_batch, precision) -> LayerTimes | None`` for
+    part "embed", "head" (with loss) or "tp_comm" (one layer's TP collectives);
+    ``optimizer_step_s(gpu, model, part, tp, precision) -> float | None`` for part "layer",
+    "embed" or "head"; ``link_figures(gpu, kind) -> (latency_s, bytes_per_s) | None`` for
+    kind "p2p" (between devices of one node), "allreduce" (ring step latency, bus rate) and
+    "pipeline" (the pipelining runtime's overhead per forward or backward action).
+    """
 
     def layer_times(
         self, gpu: GPUType, model: ModelSpec, tp: int, micro_batch: int, precision: str
@@ -122,6 +131,49 @@ def _elem_bytes(precision: str) -> int:
     return 4 if precision == "fp32" else 2
 
 
+class _Measured:
+    """The optional measurements of a LayerTimeSource, looked up once per estimate."""
+
+    def __init__(self, source: LayerTimeSource | None) -> None:
+        self.source = source
+        self.memo: dict[tuple[Any, ...], Any] = {}
+
+    def get(self, method: str, *args: Any) -> Any:
+        """Returns ``source.method(*args)``, or None if the source has no such method."""
+        key = (method, *args)
+        if key not in self.memo:
+            fn = getattr(self.source, method, None)
+            self.memo[key] = fn(*args) if fn is not None else None
+        return self.memo[key]
+
+    def allreduce_s(self, size: float, n: int, node: Node, params: CostParams) -> float:
+        """Returns an all-reduce among ``n`` devices of ``node``: measured ring if profiled."""
+        ring = self.get("link_figures", node.gpu, "allreduce")
+        if ring is None or n <= 1:
+            return comm.intra_node_allreduce_s(size, n, node, params)
+        return comm.ring_allreduce_bytes(size, n) / ring[1] + 2 * (n - 1) * ring[0]
+
+    def group_allreduce_s(
+        self,
+        size: float,
+        members: list[Node],
+        params: CostParams,
+        concurrency: dict[str, int],
+        volume: float = 1.0,
+    ) -> float:
+        """Returns comm.group_allreduce_s, with the measured ring inside one profiled node."""
+        if len({m.name for m in members}) == 1 and size > 0:
+            return volume * self.allreduce_s(size, len(members), members[0], params)
+        return comm.group_allreduce_s(size, members, params, concurrency, volume)
+
+    def p2p_s(self, size: float, src: Node, dst: Node, params: CostParams, conc: int) -> float:
+        """Returns comm.p2p_s, measured inside one profiled node."""
+        link = self.get("link_figures", src.gpu, "p2p")
+        if link is None or src.name != dst.name or size <= 0:
+            return comm.p2p_s(size, src, dst, params, concurrency=conc)
+        return link[0] + size / link[1]
+
+
 @dataclass(frozen=True)
 class _StageKey:
     gpu: GPUType
@@ -140,10 +192,12 @@ def _stage_times(
     node: Node,
     params: CostParams,
     profile: LayerTimeSource | None,
+    meas: _Measured | None = None,
 ) -> tuple[float, float, float, float, bool]:
     """Returns (forward, backward, recompute, tp_comm) per micro-batch and whether profiled."""
     gpu, tp, mb = key.gpu, key.tp, plan.micro_batch_size
     eff = params.gpu(gpu.name)
+    meas = meas or _Measured(profile)
     measured = profile.layer_times(gpu, model, tp, mb, plan.precision) if profile else None
     lt = measured or layer_times(model, gpu, eff, tp, mb, plan.precision, plan.flash_attention)
     fwd = key.layers * lt.forward_s
@@ -155,18 +209,33 @@ def _stage_times(
     else:
         rc = 0.0
     if key.first:
-        et = embedding_times(model, gpu, eff, tp, mb, plan.precision)
+        et = meas.get("part_times", gpu, model, "embed", tp, mb, plan.precision)
+        et = et or embedding_times(model, gpu, eff, tp, mb, plan.precision)
         fwd += et.forward_s
         bwd += et.backward_s
     if key.last:
-        ht = head_times(model, gpu, eff, tp, mb, plan.precision)
+        ht = meas.get("part_times", gpu, model, "head", tp, mb, plan.precision)
+        ht = ht or head_times(model, gpu, eff, tp, mb, plan.precision)
         fwd += ht.forward_s
         bwd += ht.backward_s
+    over = meas.get("link_figures", gpu, "pipeline")
+    if over is not None:  # the pipelining runtime's cost per action, on each of v chunks
+        fwd += plan.virtual_stages * over[0]
+        bwd += plan.virtual_stages * over[0]
     act = mb * model.seq * model.hidden * _elem_bytes(plan.precision)
-    one = comm.intra_node_allreduce_s(act, tp, node, params)
-    n_ar = 4 * key.layers + (2 * key.layers if plan.recompute == "full" else 0)
-    n_ar += (1 if key.first else 0) + (1 if key.last else 0)
-    tp_comm = n_ar * one
+    lc = meas.get("part_times", gpu, model, "tp_comm", tp, mb, plan.precision) if tp > 1 else None
+    if lc is not None:  # one layer's collectives as measured (embedding and head replicated)
+        full = plan.recompute == "full"
+        tp_comm = key.layers * (lc.forward_s + lc.backward_s + (lc.forward_s if full else 0.0))
+    else:
+        one = meas.allreduce_s(act, tp, node, params)
+        n_ar = 4 * key.layers + (2 * key.layers if plan.recompute == "full" else 0)
+        n_ar += (1 if key.first else 0) + (1 if key.last else 0)
+        tp_comm = n_ar * one
+    if plan.extra.get("tp_comm_overlap"):
+        # Megatron-Core/TE split the TP matmuls into chunks whose collectives run under the
+        # neighbouring chunks' math: only what exceeds the compute stays exposed
+        tp_comm = max(0.0, tp_comm - (fwd + bwd + rc))
     return fwd, bwd, rc, tp_comm, measured is not None
 
 
@@ -244,6 +313,7 @@ def estimate(
     gather_memo: dict[tuple[int, float], float] = {}
     stages: list[StageEstimate] = []
     any_profiled = False
+    meas = _Measured(profile)
     replays: list[Replay] = []
     pipeline_times: list[float] = []
     by_pipe: list[list[StageEstimate]] = []
@@ -259,24 +329,20 @@ def estimate(
             key = _StageKey(
                 node.gpu, node.intra_node_bytes_per_s, stage.tp, stage.layers, first, last, p == 1
             )
-            fwd, bwd, rc, tpc, prof = _stage_times(plan, model, key, node, params, profile)
+            fwd, bwd, rc, tpc, prof = _stage_times(plan, model, key, node, params, profile, meas)
             p_local = stage_params(model, stage.layers, stage.tp, first, last, p == 1)
             if plan.zero_stage == 3 and (r, j) in dp_members:
                 group = dp_members[(r, j)]
                 gkey = (id(group), p_local)
                 if gkey not in gather_memo:
-                    gather_memo[gkey] = comm.group_allreduce_s(
+                    gather_memo[gkey] = meas.group_allreduce_s(
                         p_local * _elem_bytes(plan.precision), group, params, concurrency
                     )
                 tpc += zero3_exposed_s(gather_memo[gkey], fwd + bwd)
             any_profiled |= prof
             act = plan.micro_batch_size * model.seq * model.hidden * _elem_bytes(plan.precision)
             nxt = nodes[(j + 1) % p]
-            send = (
-                comm.p2p_s(act / stage.tp, node, nxt, params, concurrency=stage.tp)
-                if p > 1
-                else 0.0
-            )
+            send = meas.p2p_s(act / stage.tp, node, nxt, params, stage.tp) if p > 1 else 0.0
             w, g, o = state_bytes(p_local, plan.precision, plan.zero_stage, dp)
             if plan.zero_stage == 3 and dp > 1:
                 w += zero3_working_bytes(model, stage.tp, plan.precision)
@@ -296,9 +362,16 @@ def estimate(
             )
             mem = MemoryBreakdown(w, g, o, acts, params.memory_reserve_bytes)
             eff = params.gpu(node.gpu.name)
-            opt_s = optimizer_time_s(
-                p_local / (dp if plan.zero_stage >= 1 else 1), node.gpu, eff, plan.precision
-            )
+            shards = dp if plan.zero_stage >= 1 else 1
+            opt_s = optimizer_time_s(p_local / shards, node.gpu, eff, plan.precision)
+            parts = [("layer", stage.layers), ("embed", int(first)), ("head", int(last))]
+            steps = [
+                (meas.get("optimizer_step_s", node.gpu, model, part, stage.tp, plan.precision), k)
+                for part, k in parts
+                if k
+            ]
+            if all(t is not None for t, _ in steps):  # measured per layer, embedding, head
+                opt_s = sum(t * k for t, k in steps) / shards
             row.append(
                 StageEstimate(
                     pipeline=r,
@@ -352,7 +425,7 @@ def estimate(
             continue
         tp_min = len(per_rank)
         t = max(
-            comm.group_allreduce_s(
+            meas.group_allreduce_s(
                 n_params * grad_bytes / tp_min, members, params, concurrency, volume
             )
             for members in per_rank

@@ -23,11 +23,17 @@ class GPUEfficiency:
     mem_efficiency: float = 0.7
     """Fraction of HBM bandwidth reached by elementwise kernels."""
     kernel_overhead_s: float = 5e-6
-    """Fixed cost per kernel launch."""
+    """Fixed cost per kernel launch (host-side: framework and launch latency)."""
+    link_efficiency: float | None = None
+    """Fraction of nominal link bandwidth collectives reach on nodes of this type (their
+    links come with the form factor: NVLink/InfiniBand on SXM, PCIe/Ethernet on PCIe cards);
+    None: CostParams.link_efficiency."""
 
     def __post_init__(self) -> None:
         if not 0 < self.gemm_max <= 1 or not 0 < self.mem_efficiency <= 1:
             raise InputError("calibration", "efficiencies must lie in (0, 1]")
+        if self.link_efficiency is not None and not 0 < self.link_efficiency <= 1:
+            raise InputError("calibration", "link efficiency must lie in (0, 1]")
         if self.gemm_half_dim < 0 or self.kernel_overhead_s < 0:
             raise InputError("calibration", "half dimension and overhead must be >= 0")
 
@@ -50,6 +56,11 @@ class CostParams:
     def gpu(self, name: str) -> GPUEfficiency:
         """Returns the efficiency parameters of GPU type ``name``."""
         return self.gpus.get(name, self.default)
+
+    def link_efficiency_of(self, gpu_name: str) -> float:
+        """Returns the link efficiency on nodes of GPU type ``gpu_name``."""
+        own = self.gpu(gpu_name).link_efficiency
+        return self.link_efficiency if own is None else own
 
     def with_gpu(self, name: str, eff: GPUEfficiency) -> CostParams:
         """Returns a copy with ``eff`` for GPU type ``name``."""

@@ -12,7 +12,6 @@ from hetplan.cost import comm
 from hetplan.cost.compute import embedding_times, head_times, layer_times, optimizer_time_s
 from hetplan.cost.estimate import Estimate, estimate, zero3_exposed_s
 from hetplan.cost.memory import (
-    stage_activation_bytes,
     stage_params,
     state_bytes,
     zero3_working_bytes,
@@ -121,59 +120,55 @@ def enumerate_candidates(
                                 yield Candidate(tp, pp, dp, mb, rc, zero, sched, v, sp)
 
 
-def _peak_bytes(
+@dataclass(frozen=True)
+class _Shape:
+    """The parts of a candidate's cost that do not depend on the data-parallel degree."""
+
+    split: tuple[int, ...]
+    stage_t: tuple[float, ...]
+    """Per micro-batch compute and TP time per stage."""
+    first_forward_s: float
+    layer_compute_s: float
+    p_first: float
+    p_last: float
+    act_bytes: float
+    """One micro-batch's activations sent between stages."""
+    layer_act_bytes: float
+    """Activations one layer keeps per micro-batch."""
+    embed_act_bytes: float
+    head_act_bytes: float
+    working_act_bytes: float
+    """Full recomputation: one layer's activations rebuilt during its backward."""
+
+
+class SearchMemo:
+    """Caches of shape costs and collective times, valid for one model, one node type (GPU,
+    GPUs per node, links) and one set of parameters; reusable across node counts."""
+
+    def __init__(self) -> None:
+        self.shapes: dict[tuple[object, ...], _Shape] = {}
+        self.syncs: dict[tuple[object, ...], float] = {}
+
+
+def _shape(
     model: ModelSpec,
     c: Candidate,
     cluster: Cluster,
     precision: str,
-    global_batch: int,
     params: CostParams,
     flash: bool,
-) -> float:
-    """Returns the larger peak of the first and last stage of a candidate."""
-    m = global_batch // c.dp // c.micro_batch
-    split = even_layer_split(model.layers, c.pp)
-    worst = 0.0
-    for j in {0, c.pp - 1}:
-        first, last = j == 0, j == c.pp - 1
-        p_local = stage_params(model, split[j], c.tp, first, last, c.pp == 1)
-        w, g, o = state_bytes(p_local, precision, c.zero_stage, c.dp)
-        if c.zero_stage == 3:
-            w += zero3_working_bytes(model, c.tp, precision)
-        units = peak_in_flight(c.schedule, c.pp, m, c.virtual_stages, j)
-        acts = stage_activation_bytes(
-            model,
-            split[j],
-            c.tp,
-            c.micro_batch,
-            c.sequence_parallel,
-            c.recompute,
-            flash,
-            first,
-            last,
-            units,
-            c.virtual_stages,
-        )
-        worst = max(worst, w + g + o + acts + params.memory_reserve_bytes)
-    return worst
-
-
-def _score_s(
-    model: ModelSpec,
-    c: Candidate,
-    cluster: Cluster,
-    precision: str,
-    global_batch: int,
-    params: CostParams,
-    flash: bool,
-) -> float:
-    """Returns a closed-form iteration time of a candidate from the same cost tables."""
+    memo: SearchMemo,
+) -> _Shape:
+    key = (c.tp, c.pp, c.micro_batch, c.recompute, c.sequence_parallel, precision, flash)
+    hit = memo.shapes.get(key)
+    if hit is not None:
+        return hit
     node = cluster.nodes[0]
     gpu = node.gpu
     eff = params.gpu(gpu.name)
     mb = c.micro_batch
     lt = layer_times(model, gpu, eff, c.tp, mb, precision, flash)
-    split = even_layer_split(model.layers, c.pp)
+    split = tuple(even_layer_split(model.layers, c.pp))
     act = mb * model.seq * model.hidden * (4 if precision == "fp32" else 2)
     ar = comm.intra_node_allreduce_s(act, c.tp, node, params)
     rc_per_layer = {"none": 0.0, "selective": lt.selective_recompute_s, "full": lt.forward_s}[
@@ -186,13 +181,104 @@ def _score_s(
     stage_t = [x * per_layer for x in split]
     stage_t[0] += et.forward_s + et.backward_s + ar
     stage_t[-1] += ht.forward_s + ht.backward_s + ar
-    m = global_batch // c.dp // mb
+    single = c.pp == 1
+    shape = _Shape(
+        split=split,
+        stage_t=tuple(stage_t),
+        first_forward_s=lt.forward_s * split[0] + et.forward_s,
+        layer_compute_s=lt.forward_s + lt.backward_s,
+        p_first=stage_params(model, split[0], c.tp, True, single, single),
+        p_last=stage_params(model, split[-1], c.tp, single, True, single),
+        act_bytes=act,
+        layer_act_bytes=mb
+        * model.layer_activation_bytes(c.tp, c.sequence_parallel, c.recompute, flash),
+        embed_act_bytes=mb * model.embedding_activation_bytes(c.tp, c.sequence_parallel),
+        head_act_bytes=mb * model.head_activation_bytes(c.tp),
+        working_act_bytes=(
+            mb * model.layer_activation_bytes(c.tp, c.sequence_parallel, "none", flash)
+            if c.recompute == "full"
+            else 0.0
+        ),
+    )
+    memo.shapes[key] = shape
+    return shape
+
+
+def _peak_bytes(
+    model: ModelSpec,
+    c: Candidate,
+    cluster: Cluster,
+    precision: str,
+    global_batch: int,
+    params: CostParams,
+    flash: bool,
+    memo: SearchMemo,
+) -> float:
+    """Returns the larger peak of the first and last stage of a candidate."""
+    m = global_batch // c.dp // c.micro_batch
+    shape = _shape(model, c, cluster, precision, params, flash, memo)
+    worst = 0.0
+    for j in {0, c.pp - 1}:
+        first, last = j == 0, j == c.pp - 1
+        p_local = shape.p_first if first else shape.p_last
+        w, g, o = state_bytes(p_local, precision, c.zero_stage, c.dp)
+        if c.zero_stage == 3:
+            w += zero3_working_bytes(model, c.tp, precision)
+        units = peak_in_flight(c.schedule, c.pp, m, c.virtual_stages, j)
+        v = c.virtual_stages
+        # as cost.memory.stage_activation_bytes, from the shape's cached per-layer figures
+        acts = units * shape.split[j] / v * shape.layer_act_bytes
+        if first:
+            acts += -(-units // v) * shape.embed_act_bytes
+        if last:
+            acts += shape.head_act_bytes
+        if shape.split[j]:
+            acts += shape.working_act_bytes
+        worst = max(worst, w + g + o + acts + params.memory_reserve_bytes)
+    return worst
+
+
+def _dp_allreduce_s(
+    size_bytes: float,
+    c: Candidate,
+    cluster: Cluster,
+    params: CostParams,
+    volume: float,
+    memo: SearchMemo,
+) -> float:
+    """Returns the all-reduce time among one stage's replicas in the Megatron layout."""
+    key = (size_bytes, c.tp, c.dp, volume)
+    hit = memo.syncs.get(key)
+    if hit is None:
+        nodes = cluster.nodes
+        gpn = nodes[0].gpus
+        members = [nodes[(r * c.tp) // gpn % len(nodes)] for r in range(c.dp)]
+        spans = len({n.name for n in members}) > 1
+        conc = {n.name: min(gpn, c.tp * c.dp) for n in members} if spans else {}
+        hit = comm.group_allreduce_s(size_bytes, members, params, conc, volume)
+        memo.syncs[key] = hit
+    return hit
+
+
+def _score_s(
+    model: ModelSpec,
+    c: Candidate,
+    cluster: Cluster,
+    precision: str,
+    global_batch: int,
+    params: CostParams,
+    flash: bool,
+    memo: SearchMemo,
+) -> float:
+    """Returns a closed-form iteration time of a candidate from the same cost tables."""
+    node = cluster.nodes[0]
+    shape = _shape(model, c, cluster, precision, params, flash, memo)
+    m = global_batch // c.dp // c.micro_batch
     gpn = node.gpus
     if c.pp > 1:
         cross = (c.tp * c.dp) >= gpn
-        send_bytes = act / c.tp
         send = comm.p2p_s(
-            send_bytes,
+            shape.act_bytes / c.tp,
             node,
             cluster.nodes[-1] if cross and len(cluster.nodes) > 1 else node,
             params,
@@ -201,33 +287,81 @@ def _score_s(
     else:
         send = 0.0
     v = c.virtual_stages
+    stage_t = list(shape.stage_t)
+    p_local = shape.p_first
+    if c.dp > 1 and c.zero_stage == 3:
+        gather = _dp_allreduce_s(
+            p_local * (4 if precision == "fp32" else 2), c, cluster, params, 1.0, memo
+        )
+        stage_t[0] += zero3_exposed_s(gather, shape.split[0] * shape.layer_compute_s)
     bottleneck = max(stage_t)
     # 1F1B: m micro-batches at the bottleneck's pace plus the fill and drain of the others,
     # which interleaving divides by v (Narayanan et al. 2021)
     pipe = m * bottleneck + (sum(stage_t) - bottleneck) / v + 2 * (c.pp - 1) * send * v
-    # gradient sync of the first stage (it finishes last), hierarchical over DP
-    p_local = stage_params(model, split[0], c.tp, True, c.pp == 1, c.pp == 1)
+    # gradient sync of the first stage (it finishes last), overlapped with its last backward
     if c.dp > 1:
-        nodes = cluster.nodes
-        members = [nodes[(r * c.tp) // gpn % len(nodes)] for r in range(c.dp)]
-        spans = len({n.name for n in members}) > 1
-        conc = {n.name: min(gpn, c.tp * c.dp) for n in members} if spans else {}
-        if c.zero_stage == 3:
-            compute = lt.forward_s + lt.backward_s
-            gather = comm.group_allreduce_s(
-                p_local * (4 if precision == "fp32" else 2), members, params, conc
-            )
-            stage_t[0] += zero3_exposed_s(gather, split[0] * compute)
-            pipe = m * max(stage_t) + (sum(stage_t) - max(stage_t)) / v
-        sync = comm.group_allreduce_s(
-            p_local * 4.0, members, params, conc, 0.5 if c.zero_stage == 3 else 1.0
+        sync = _dp_allreduce_s(
+            p_local * 4.0, c, cluster, params, 0.5 if c.zero_stage == 3 else 1.0, memo
         )
-        last_b = stage_t[0] - lt.forward_s * split[0] - et.forward_s
-        exposed = max(0.0, sync - last_b)
+        exposed = max(0.0, sync - (stage_t[0] - shape.first_forward_s))
     else:
         exposed = 0.0
-    opt = optimizer_time_s(p_local / (c.dp if c.zero_stage else 1), gpu, eff, precision)
+    gpu = node.gpu
+    opt = optimizer_time_s(
+        p_local / (c.dp if c.zero_stage else 1), gpu, params.gpu(gpu.name), precision
+    )
     return pipe + exposed + opt
+
+
+@dataclass
+class Scored:
+    """Candidates that fit, with closed-form times, best first; and what was pruned."""
+
+    ranked: list[tuple[float, Candidate]]
+    candidates: int
+    fitting: int
+    min_memory_bytes: float
+
+
+def score_candidates(
+    model: ModelSpec,
+    cluster: Cluster,
+    global_batch: int,
+    precision: str,
+    params: CostParams | None = None,
+    space: SearchSpace | None = None,
+    flash_attention: bool = True,
+    memo: SearchMemo | None = None,
+) -> Scored:
+    """Returns every fitting candidate with its closed-form time, best first (no estimate).
+
+    ``memo`` may be shared by calls on clusters of the same node type and model."""
+    params = params or default_params()
+    space = space or SearchSpace()
+    gpus_per_node = {n.gpus for n in cluster.nodes}
+    if len({n.gpu.name for n in cluster.nodes}) != 1 or len(gpus_per_node) != 1:
+        raise InputError("--cluster", "the homogeneous search needs one GPU type and node size")
+    gpu = cluster.nodes[0].gpu
+    if not gpu.supports(precision):
+        raise InputError("--precision", f"{gpu.name} has no {precision} support")
+    n = cluster.num_gpus
+    gpn = gpus_per_node.pop()
+    scored: list[tuple[float, tuple[object, ...], Candidate]] = []
+    count = 0
+    min_mem = math.inf
+    memo = memo or SearchMemo()
+    for c in enumerate_candidates(model, n, gpn, global_batch, space):
+        count += 1
+        peak = _peak_bytes(
+            model, c, cluster, precision, global_batch, params, flash_attention, memo
+        )
+        if peak > gpu.memory_bytes:
+            min_mem = min(min_mem, peak)
+            continue
+        t = _score_s(model, c, cluster, precision, global_batch, params, flash_attention, memo)
+        scored.append((t, _tiebreak(c), c))
+    scored.sort(key=lambda x: (x[0], x[1]))
+    return Scored([(t, c) for t, _, c in scored], count, len(scored), min_mem)
 
 
 def search_homogeneous(
@@ -243,38 +377,17 @@ def search_homogeneous(
 ) -> SearchResult:
     """Returns the top-k plans for a cluster of one GPU type, best first, deterministically."""
     params = params or default_params()
-    space = space or SearchSpace()
-    gpus_per_node = {n.gpus for n in cluster.nodes}
-    if len({n.gpu.name for n in cluster.nodes}) != 1 or len(gpus_per_node) != 1:
-        raise InputError("--cluster", "the homogeneous search needs one GPU type and node size")
-    gpu = cluster.nodes[0].gpu
-    if not gpu.supports(precision):
-        raise InputError("--precision", f"{gpu.name} has no {precision} support")
-    n = cluster.num_gpus
-    gpn = gpus_per_node.pop()
-    scored: list[tuple[float, tuple[object, ...], Candidate]] = []
-    count = 0
-    fitting = 0
-    min_mem = math.inf
-    for c in enumerate_candidates(model, n, gpn, global_batch, space):
-        count += 1
-        peak = _peak_bytes(model, c, cluster, precision, global_batch, params, flash_attention)
-        if peak > gpu.memory_bytes:
-            min_mem = min(min_mem, peak)
-            continue
-        fitting += 1
-        t = _score_s(model, c, cluster, precision, global_batch, params, flash_attention)
-        scored.append((t, _tiebreak(c), c))
-    result = SearchResult([], count, fitting, min_mem)
-    if not scored:
+    sc = score_candidates(model, cluster, global_batch, precision, params, space, flash_attention)
+    result = SearchResult([], sc.candidates, sc.fitting, sc.min_memory_bytes)
+    if not sc.ranked:
         return result
-    scored.sort(key=lambda x: (x[0], x[1]))
     if finalists is None:
         # every candidate the closed form puts near the best is re-scored by estimate()
-        near = sum(1 for t, _, _ in scored if t <= scored[0][0] * FINALIST_MARGIN)
+        best = sc.ranked[0][0]
+        near = sum(1 for t, _ in sc.ranked if t <= best * FINALIST_MARGIN)
         finalists = min(max(4 * top_k, 24, near), MAX_FINALISTS)
     ranked: list[tuple[Plan, Estimate]] = []
-    for _, _, c in scored[:finalists]:
+    for _, c in sc.ranked[:finalists]:
         plan = candidate_plan(model, cluster, c, global_batch, precision, flash_attention)
         est = estimate(plan, model, cluster, params, validate=False)
         if est.fits:

@@ -1,22 +1,39 @@
 """Provisioning: which GPUs to rent and how many, as a time-versus-dollars Pareto front.
 
-Single-type configurations: every node count of every offer, each with the best homogeneous
-plan. A count is skipped without planning when a lower bound on its time (from its aggregate
-peak FLOP/s at the best calibrated efficiency) and on its cost already make it dominated.
+Single-type configurations: every node count of every offer, each with its best homogeneous
+plan. Mixes of two types go through the heterogeneous planner. A configuration is skipped
+without planning when lower bounds on its time (all FLOPs at the best compute efficiency
+the cost tables allow for its GPUs) and on its cost (that time at its exact hourly price)
+are already beaten by a point found: it cannot reach the front.
 """
 
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, field
+from functools import lru_cache
 
-from hetplan.cost.estimate import Estimate
-from hetplan.cost.params import CostParams, default_params
+from hetplan.cluster import Cluster
+from hetplan.cost.compute import head_times, layer_times
+from hetplan.cost.estimate import Estimate, estimate
+from hetplan.cost.params import CostParams, GPUEfficiency, default_params
+from hetplan.hardware import GPUType
 from hetplan.market import Market, Offer
 from hetplan.model import ModelSpec
 from hetplan.plan import Plan
-from hetplan.search.homogeneous import search_homogeneous
+from hetplan.search.homogeneous import (
+    Candidate,
+    SearchMemo,
+    SearchSpace,
+    candidate_plan,
+    divisors,
+    score_candidates,
+)
 from hetplan.search.spot import SpotTerms, spot_slowdown
+
+PROVISION_SPACE = SearchSpace(zero_stages=(1, 2, 3), max_virtual_stages=4)
+"""ZeRO-0 is dominated by ZeRO-1 (same traffic, less memory, a sharded optimizer step)."""
 
 
 @dataclass
@@ -30,6 +47,8 @@ class Point:
     usd_per_hour: float
     plan: Plan | None = field(default=None, repr=False)
     estimate: Estimate | None = field(default=None, repr=False)
+    cluster: Cluster | None = field(default=None, repr=False)
+    candidate: Candidate | None = field(default=None, repr=False)
 
 
 def pareto_front(points: list[Point]) -> list[Point]:
@@ -41,27 +60,272 @@ def pareto_front(points: list[Point]) -> list[Point]:
     return front
 
 
-def time_lower_bound_s(
-    model: ModelSpec, offer: Offer, nodes: int, tokens: float, precision: str, params: CostParams
+@lru_cache(maxsize=1024)
+def best_compute_efficiency(
+    model: ModelSpec,
+    gpu: GPUType,
+    gpus_per_node: int,
+    eff: GPUEfficiency,
+    precision: str,
+    flash: bool = True,
 ) -> float:
-    """Returns a time no plan on these nodes can beat: all FLOPs at the best GEMM efficiency."""
-    flops = tokens / model.seq * model.model_flops_per_sequence()
-    peak = offer.gpu.peak_flops(precision) * params.gpu(offer.gpu.name).gemm_max
-    return flops / (peak * nodes * offer.gpus_per_node)
+    """Returns the highest fraction of peak any layer or head shape reaches on this GPU.
+
+    Every plan's per-GPU compute takes at least its share of the FLOPs at this efficiency,
+    so it bounds the time of any plan from below.
+    """
+    peak = gpu.peak_flops(precision)
+    best = 0.0
+    for tp in divisors(gpus_per_node):
+        for mb in (1, 2, 4, 8, 16, 32):
+            lt = layer_times(model, gpu, eff, tp, mb, precision, flash)
+            layer_flops = 3 * mb * model.layer_flops() / tp
+            best = max(best, layer_flops / ((lt.forward_s + lt.backward_s) * peak))
+            ht = head_times(model, gpu, eff, tp, mb, precision)
+            head_flops = 3 * mb * model.head_flops() / tp
+            best = max(best, head_flops / ((ht.forward_s + ht.backward_s) * peak))
+    return best
+
+
+def _efficiency(
+    model: ModelSpec, offer: Offer, precision: str, params: CostParams, flash: bool
+) -> float:
+    return best_compute_efficiency(
+        model, offer.gpu, offer.gpus_per_node, params.gpu(offer.gpu.name), precision, flash
+    )
+
+
+def _flops_to_train(model: ModelSpec, tokens: float) -> float:
+    return tokens / model.seq * model.model_flops_per_sequence()
+
+
+def _dominated(time_s: float, cost: float, points: list[Point]) -> bool:
+    return any(p.time_to_train_s <= time_s and p.total_cost_usd <= cost for p in points)
+
+
+@dataclass(frozen=True)
+class Constraints:
+    """What the user asked of the run."""
+
+    deadline_s: float | None = None
+    budget_usd: float | None = None
+    max_usd_per_hour: float | None = None
+
+    def admits(self, p: Point) -> bool:
+        """Returns whether a point meets every constraint."""
+        return (
+            (self.deadline_s is None or p.time_to_train_s <= self.deadline_s)
+            and (self.budget_usd is None or p.total_cost_usd <= self.budget_usd)
+            and (self.max_usd_per_hour is None or p.usd_per_hour <= self.max_usd_per_hour)
+        )
 
 
 @dataclass
 class ProvisionResult:
-    """Every planned point, the front, and how much the pruning saved."""
+    """Every planned point, the front, the recommendation, and what pruning saved."""
 
     points: list[Point]
     front: list[Point]
     planned: int
     pruned: int
+    search_time_s: float = 0.0
+    recommended: Point | None = None
+    reason: str = ""
 
 
-def _dominated(time_s: float, cost: float, points: list[Point]) -> bool:
-    return any(p.time_to_train_s <= time_s and p.total_cost_usd <= cost for p in points)
+def _single_type(
+    model: ModelSpec,
+    offer: Offer,
+    tokens: float,
+    global_batch: int,
+    precision: str,
+    spot: bool,
+    params: CostParams,
+    terms: SpotTerms,
+    prune: bool,
+    points: list[Point],
+    flash: bool,
+) -> tuple[int, int]:
+    """Adds the points of every node count of one offer; returns (planned, pruned)."""
+    planned = pruned = 0
+    memo = SearchMemo()
+    peak = offer.gpu.peak_flops(precision) * _efficiency(model, offer, precision, params, flash)
+    flops = _flops_to_train(model, tokens)
+    price = offer.price(spot)
+    for nodes in range(offer.max_nodes, 0, -1):
+        slow = spot_slowdown(offer, nodes, terms) if spot else 1.0
+        if math.isinf(slow):
+            continue
+        n_gpus = nodes * offer.gpus_per_node
+        usd_hour = price * n_gpus
+        t_lb = flops / (peak * n_gpus) * slow
+        if prune and _dominated(t_lb, t_lb / 3600 * usd_hour, points):
+            pruned += 1
+            continue
+        planned += 1
+        cluster = offer.cluster(nodes, spot)
+        scored = score_candidates(
+            model, cluster, global_batch, precision, params, PROVISION_SPACE, flash, memo
+        )
+        if not scored.ranked:
+            continue
+        iter_s, cand = scored.ranked[0]
+        t = tokens / (global_batch * model.seq) * iter_s * slow
+        points.append(
+            Point(
+                {offer.gpu.name: n_gpus},
+                spot,
+                t,
+                t / 3600 * usd_hour,
+                usd_hour,
+                cluster=cluster,
+                candidate=cand,
+            )
+        )
+    return planned, pruned
+
+
+def _materialise(
+    p: Point,
+    model: ModelSpec,
+    global_batch: int,
+    precision: str,
+    tokens: float,
+    params: CostParams,
+    slow: float,
+    flash: bool,
+) -> None:
+    """Builds the plan of a point and replaces its closed-form time by estimate()'s."""
+    if p.plan is not None or p.cluster is None or p.candidate is None:
+        return
+    p.plan = candidate_plan(model, p.cluster, p.candidate, global_batch, precision, flash)
+    p.estimate = estimate(p.plan, model, p.cluster, params, validate=False)
+    p.time_to_train_s = tokens / p.estimate.tokens_per_s * slow
+    p.total_cost_usd = p.time_to_train_s / 3600 * p.usd_per_hour
+
+
+def recommend(
+    front: list[Point], objective: str, constraints: Constraints
+) -> tuple[Point | None, str]:
+    """Returns the point the objective picks among those meeting the constraints, and why."""
+    ok = [p for p in front if constraints.admits(p)]
+    if not ok:
+        return None, _binding(front, constraints)
+    if objective == "time":
+        best = min(ok, key=lambda p: p.time_to_train_s)
+        why = "fastest configuration" + _within(constraints)
+    elif objective == "cost":
+        best = min(ok, key=lambda p: p.total_cost_usd)
+        why = "cheapest configuration" + _within(constraints)
+    else:
+        t0 = min(p.time_to_train_s for p in ok)
+        c0 = min(p.total_cost_usd for p in ok)
+        best = min(ok, key=lambda p: p.time_to_train_s / t0 + p.total_cost_usd / c0)
+        why = (
+            "balanced: smallest sum of time and cost, each relative to the best "
+            "reachable" + _within(constraints)
+        )
+    return best, why
+
+
+def _within(c: Constraints) -> str:
+    parts = []
+    if c.deadline_s is not None:
+        parts.append(f"deadline {c.deadline_s / 86400:.1f} days")
+    if c.budget_usd is not None:
+        parts.append(f"budget ${c.budget_usd:,.0f}")
+    if c.max_usd_per_hour is not None:
+        parts.append(f"cap ${c.max_usd_per_hour:,.2f}/hour")
+    return f" within the {', '.join(parts)}" if parts else ""
+
+
+def _binding(front: list[Point], c: Constraints) -> str:
+    if not front:
+        return "no configuration of the market can train this model"
+    checks = [
+        ("deadline", c.deadline_s, lambda p: p.time_to_train_s),
+        ("budget", c.budget_usd, lambda p: p.total_cost_usd),
+        ("hourly cap", c.max_usd_per_hour, lambda p: p.usd_per_hour),
+    ]
+    for name, limit, key in checks:
+        if limit is not None and all(key(p) > limit for p in front):
+            closest = min(front, key=key)
+            return (
+                f"the {name} binds: no configuration meets it; the closest point needs "
+                f"{closest.time_to_train_s / 86400:.2f} days and "
+                f"${closest.total_cost_usd:,.0f} on {closest.gpus}"
+            )
+    return "no single configuration meets the deadline, budget and hourly cap together"
+
+
+def provision(
+    model: ModelSpec,
+    market: Market,
+    tokens: float,
+    global_batch: int,
+    precision: str,
+    spot: bool = False,
+    objective: str = "balanced",
+    constraints: Constraints | None = None,
+    params: CostParams | None = None,
+    terms: SpotTerms | None = None,
+    prune: bool = True,
+    flash_attention: bool = True,
+) -> ProvisionResult:
+    """Returns the time/cost front over the market's single-type configurations and the
+    recommended point for ``objective`` (time, cost or balanced) under ``constraints``."""
+    start = time.process_time()
+    params = params or default_params()
+    terms = terms or SpotTerms()
+    constraints = constraints or Constraints()
+    points: list[Point] = []
+    planned = pruned = 0
+    offers = [
+        o
+        for o in market.offers
+        if o.gpu.supports(precision) and not (spot and o.spot_usd_per_gpu_hour is None)
+    ]
+    # cheapest effective FLOP first: the low-cost end of the front prunes the rest early
+    offers.sort(
+        key=lambda o: (
+            o.price(spot)
+            / (
+                o.gpu.peak_flops(precision)
+                * _efficiency(model, o, precision, params, flash_attention)
+            )
+        )
+    )
+    for offer in offers:
+        a, b = _single_type(
+            model,
+            offer,
+            tokens,
+            global_batch,
+            precision,
+            spot,
+            params,
+            terms,
+            prune,
+            points,
+            flash_attention,
+        )
+        planned += a
+        pruned += b
+    offer_of = {o.gpu.name: o for o in offers}
+    # front points get real plans scored by estimate(); repeat until the front is all real
+    while True:
+        front = pareto_front(points)
+        todo = [p for p in front if p.plan is None]
+        if not todo:
+            break
+        for p in todo:
+            name, count = next(iter(p.gpus.items()))
+            offer = offer_of[name]
+            nodes = count // offer.gpus_per_node
+            slow = spot_slowdown(offer, nodes, terms) if spot else 1.0
+            _materialise(p, model, global_batch, precision, tokens, params, slow, flash_attention)
+    best, why = recommend(front, objective, constraints)
+    return ProvisionResult(points, front, planned, pruned, time.process_time() - start, best, why)
 
 
 def provision_single_type(
@@ -76,41 +340,14 @@ def provision_single_type(
     prune: bool = True,
 ) -> ProvisionResult:
     """Returns the time/cost front over single-type configurations of the market."""
-    params = params or default_params()
-    terms = terms or SpotTerms()
-    points: list[Point] = []
-    planned = pruned = 0
-    for offer in market.offers:
-        if not offer.gpu.supports(precision) or (spot and offer.spot_usd_per_gpu_hour is None):
-            continue
-        price_gpu = offer.price(spot)
-        # largest counts first: the fast end of the front is found early and prunes the rest
-        for nodes in range(offer.max_nodes, 0, -1):
-            slow = spot_slowdown(offer, nodes, terms) if spot else 1.0
-            if math.isinf(slow):
-                continue
-            usd_hour = price_gpu * nodes * offer.gpus_per_node
-            t_lb = time_lower_bound_s(model, offer, nodes, tokens, precision, params) * slow
-            if prune and _dominated(t_lb, t_lb / 3600 * usd_hour, points):
-                pruned += 1
-                continue
-            planned += 1
-            res = search_homogeneous(
-                model, offer.cluster(nodes, spot), global_batch, precision, top_k=1, params=params
-            )
-            if not res.ranked:
-                continue
-            plan, est = res.ranked[0]
-            t = tokens / est.tokens_per_s * slow
-            points.append(
-                Point(
-                    {offer.gpu.name: nodes * offer.gpus_per_node},
-                    spot,
-                    t,
-                    t / 3600 * usd_hour,
-                    usd_hour,
-                    plan,
-                    est,
-                )
-            )
-    return ProvisionResult(points, pareto_front(points), planned, pruned)
+    return provision(
+        model,
+        market,
+        tokens,
+        global_batch,
+        precision,
+        spot,
+        params=params,
+        terms=terms,
+        prune=prune,
+    )

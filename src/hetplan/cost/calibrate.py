@@ -1,0 +1,516 @@
+"""Fitting the cost model's efficiency parameters to measured runs, and its honest error.
+
+Three CSV formats are read (the format is recognised from the header):
+
+- ``megatron``: the columns of ``megatron_homogeneous.csv`` (published Megatron runs);
+- ``amp``: the columns of ``amp_t4_homogeneous.csv`` (AMP's timed T4 trials, with the
+  30-unit ``layer_partition``; blank ``measured_iter_s`` = the plan ran out of memory);
+- ``generic`` (for users): ``layers, hidden, heads, ffn, vocab, seq, gpu, nodes,
+  gpus_per_node, tp, pp, dp, micro_batch, global_batch`` and one measured column,
+  ``iter_time_s`` or ``tflops_per_gpu`` (model FLOPs); optional ``kv_heads`` (= heads),
+  ``family`` (gpt), ``precision`` (bf16), ``recompute`` (none), ``schedule`` (1F1B),
+  ``virtual_stages`` (1), ``flash_attention`` (true), ``sequence_parallel`` (false),
+  ``zero_stage`` (0), ``network_gbit_s`` (the GPU type's default), ``label``.
+
+Each row becomes a :class:`Run`: model, cluster, a plan (or the knobs the search must
+choose, when the source leaves them out) and the measured value. Parameters are fitted
+with bounded ``scipy.optimize.least_squares`` on log(predicted / measured), with a weak
+pull towards physically plausible priors so that few rows cannot drive them to a bound.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+import os
+from collections.abc import Iterable
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, replace
+from importlib import resources
+from itertools import pairwise
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from scipy.optimize import least_squares
+from scipy.stats import spearmanr
+
+from hetplan.cluster import Cluster, cluster_from_dict
+from hetplan.cost.estimate import Estimate, estimate
+from hetplan.cost.params import CostParams, GPUEfficiency
+from hetplan.errors import InputError
+from hetplan.model import ModelSpec
+from hetplan.plan import Pipeline, Plan, Stage
+from hetplan.search.layout import uniform_plan
+
+METRICS = ("iter_time_s", "tflops_per_gpu", "hardware_tflops_per_gpu")
+
+
+@dataclass(frozen=True)
+class Knobs:
+    """What a row fixes and what it leaves to the search (micro-batch, virtual stages)."""
+
+    tp: int
+    pp: int
+    dp: int
+    global_batch: int
+    precision: str
+    flash_attention: bool
+    recompute: tuple[str, ...]
+    zero_stages: tuple[int, ...]
+    sequence_parallel: bool
+    schedules: tuple[str, ...]
+    overlap_grad_reduce: bool
+    """Megatron-Core's communication overlap (gradient reduction and TP collectives)."""
+
+
+@dataclass(frozen=True)
+class Run:
+    """One measured training run: what ran, where, and what was measured."""
+
+    source: str
+    """The file (or set) the row came from; reports are grouped by it."""
+    label: str
+    model: ModelSpec
+    cluster: Cluster
+    metric: str
+    """Which estimate field ``measured`` is: one of METRICS."""
+    measured: float | None
+    """None when the run did not fit in memory."""
+    plan: Plan | None = None
+    knobs: Knobs | None = None
+    """Set when the plan is to be completed by the search (``plan`` is then None)."""
+
+    def predict(self, est: Estimate) -> float:
+        """Returns the estimate's value of this run's metric."""
+        if self.metric == "iter_time_s":
+            return est.iteration_time_s
+        if self.metric == "tflops_per_gpu":
+            return est.tflops_per_gpu
+        return est.hardware_tflops_per_gpu
+
+
+# ---- reading ---------------------------------------------------------------------------
+
+
+class _Row:
+    """One CSV row with typed, column-naming accessors."""
+
+    def __init__(self, data: dict[str, str], where: str) -> None:
+        self.data = data
+        self.where = where
+
+    def text(self, column: str, default: str | None = None) -> str:
+        value = (self.data.get(column) or "").strip()
+        if not value:
+            if default is None:
+                raise InputError(column, f"{self.where}: required, but blank")
+            return default
+        return value
+
+    def integer(self, column: str, default: int | None = None) -> int:
+        raw = self.text(column, None if default is None else str(default))
+        try:
+            value = int(raw)
+        except ValueError:
+            raise InputError(column, f"{self.where}: expected an integer, got {raw!r}") from None
+        if value <= 0:
+            raise InputError(column, f"{self.where}: must be positive, got {value}")
+        return value
+
+    def number(self, column: str, required: bool = True) -> float | None:
+        raw = (self.data.get(column) or "").strip()
+        if not raw:
+            if required:
+                raise InputError(column, f"{self.where}: required, but blank")
+            return None
+        try:
+            value = float(raw)
+        except ValueError:
+            raise InputError(column, f"{self.where}: expected a number, got {raw!r}") from None
+        if not value > 0:
+            raise InputError(column, f"{self.where}: must be positive, got {value}")
+        return value
+
+    def flag(self, column: str, default: bool) -> bool:
+        raw = self.text(column, "true" if default else "false").lower()
+        if raw not in ("true", "false", "1", "0", "yes", "no"):
+            raise InputError(column, f"{self.where}: expected true or false, got {raw!r}")
+        return raw in ("true", "1", "yes")
+
+
+def _cluster(
+    gpu: str, nodes: int, gpus_per_node: int, network: str | None = None, intra: str | None = None
+) -> Cluster:
+    entry: dict[str, Any] = {"gpu": gpu, "gpus": gpus_per_node, "count": nodes}
+    if network is not None:
+        entry["network_bandwidth"] = network
+    if intra is not None:
+        entry["intra_node_bandwidth"] = intra
+    return cluster_from_dict({"nodes": [entry]})
+
+
+def _megatron_run(row: _Row, source: str) -> Run:
+    hidden = row.integer("hidden")
+    layers = row.integer("layers")
+    heads = row.integer("heads", hidden // 128)  # the paper's usual head width, 128
+    model = ModelSpec(
+        row.text("model"), "gpt", layers, hidden, heads, heads, 4 * hidden,
+        row.integer("vocab"), row.integer("seq_len"),
+    )  # fmt: skip
+    n_gpus = row.integer("n_gpus")
+    tp, pp, dp = row.integer("tp"), row.integer("pp"), row.integer("dp")
+    if tp * pp * dp != n_gpus:
+        raise InputError("n_gpus", f"{row.where}: tp*pp*dp = {tp * pp * dp}, not {n_gpus}")
+    gpu = row.text("gpu").split()[0]
+    gpn = 8  # DGX nodes
+    cluster = _cluster(gpu, max(1, math.ceil(n_gpus / gpn)), min(gpn, n_gpus))
+    precision = "bf16" if "bf16" in row.text("precision").lower() else "fp16"
+    interleaved = ("Interleaved1F1B",) if pp > 1 else ("1F1B",)
+    if row.text("system").startswith("Megatron-LM"):
+        # SC'21: full recomputation, fp16, no flash attention; FLOPs count the recompute
+        metric = "hardware_tflops_per_gpu"
+        knobs = Knobs(tp, pp, dp, row.integer("global_batch_seqs"), precision, False,
+                      ("full",), (0,), False, interleaved, False)  # fmt: skip
+    else:
+        # Megatron-Core: flash attention (TE), distributed optimizer, sequence parallel;
+        # no recomputation unless the memory model says it does not fit without it
+        metric = "tflops_per_gpu"
+        knobs = Knobs(tp, pp, dp, row.integer("global_batch_seqs"), precision, True,
+                      ("none", "selective"), (1,) if dp > 1 else (0,), tp > 1,
+                      ("1F1B", "Interleaved1F1B"), True)  # fmt: skip
+    mb = row.data.get("micro_batch", "").strip()
+    plan = None
+    if mb:
+        plan = uniform_plan(cluster, layers, tp, pp, dp, row.integer("micro_batch"),
+                            knobs.global_batch, precision=precision,
+                            recompute=knobs.recompute[0], zero_stage=knobs.zero_stages[0],
+                            schedule="1F1B", flash_attention=knobs.flash_attention,
+                            sequence_parallel=knobs.sequence_parallel,
+                            overlap_grad_reduce=metric == "tflops_per_gpu")  # fmt: skip
+    value = row.number("tflops_per_gpu")
+    return Run(source, model.name, model, cluster, metric, value, plan, None if plan else knobs)
+
+
+_AMP_UNITS = 30  # 0 embedding, 1 no-op, 2..25 the 24 layers, 26..29 norm, no-ops, head
+
+
+def _amp_stage_layers(row: _Row, layers: int) -> list[int]:
+    raw = row.text("layer_partition")
+    try:
+        cuts = [int(x) for x in raw.split(";")]
+    except ValueError:
+        raise InputError("layer_partition", f"{row.where}: expected 0;..;30, got {raw!r}") from None
+    if cuts[0] != 0 or cuts[-1] != _AMP_UNITS or cuts != sorted(cuts) or layers != 24:
+        raise InputError("layer_partition", f"{row.where}: not a 30-unit partition: {raw!r}")
+    return [len(set(range(a, b)) & set(range(2, 26))) for a, b in pairwise(cuts)]
+
+
+def _amp_run(row: _Row, source: str) -> Run:
+    import re
+
+    text = row.text("model")
+    shape = {k: int(v) for v, k in re.findall(r"(\d+)\s*(layers|hidden|seq|vocab)", text)}
+    shape.update({k: int(v) for k, v in re.findall(r"(hidden|seq|vocab)\s+(\d+)", text)})
+    if set(shape) != {"layers", "hidden", "seq", "vocab"}:
+        raise InputError("model", f"{row.where}: cannot read layers/hidden/seq/vocab in {text!r}")
+    h = shape["hidden"]
+    model = ModelSpec("GPT-2 (AMP)", "gpt", shape["layers"], h, h // 64, h // 64, 4 * h,
+                      shape["vocab"], shape["seq"], tie_embeddings=True)  # fmt: skip
+    tp, pp, dp = row.integer("tp"), row.integer("pp"), row.integer("dp")
+    split = _amp_stage_layers(row, model.layers)
+    if len(split) != pp:
+        raise InputError("layer_partition", f"{row.where}: {len(split)} stages, but pp = {pp}")
+    # the links as the source describes its cluster ("50 Gbps PCIe intra, 50 Gbps inter")
+    links = dict((k, v) for v, k in re.findall(r"(\d+)\s*Gbps\s*(?:PCIe\s*)?(intra|inter)",
+                                               row.text("cluster")))  # fmt: skip
+    cluster = _cluster("T4", 4, 4, f"{links.get('inter', '50')} Gbit/s",
+                       f"{links['intra']} Gbit/s" if "intra" in links else None)  # fmt: skip
+    gb, mb = row.integer("global_batch"), row.integer("micro_batch")
+    base = uniform_plan(cluster, model.layers, tp, pp, dp, mb, gb, precision="fp16",
+                        recompute="none", schedule="1F1B", flash_attention=False,
+                        overlap_grad_reduce=False)  # fmt: skip
+    pipes = tuple(
+        Pipeline(
+            p.batch_size, tuple(Stage(n, s.devices) for n, s in zip(split, p.stages, strict=True))
+        )
+        for p in base.pipelines
+    )
+    plan = replace(base, pipelines=pipes)
+    label = f"mb{mb} tp{tp} dp{dp} pp{pp}"
+    return Run(source, label, model, cluster, "iter_time_s",
+               row.number("measured_iter_s", required=False), plan)  # fmt: skip
+
+
+def _generic_run(row: _Row, source: str) -> Run:
+    h, heads = row.integer("hidden"), row.integer("heads")
+    family = row.text("family", "gpt")
+    model = ModelSpec(
+        row.text("label", "model"), family, row.integer("layers"), h, heads,  # type: ignore[arg-type]
+        row.integer("kv_heads", heads), row.integer("ffn"), row.integer("vocab"),
+        row.integer("seq"),
+    )  # fmt: skip
+    net = row.data.get("network_gbit_s", "").strip()
+    cluster = _cluster(row.text("gpu"), row.integer("nodes"), row.integer("gpus_per_node"),
+                       f"{net} Gbit/s" if net else None)  # fmt: skip
+    zero = int(row.text("zero_stage", "0"))
+    plan = uniform_plan(
+        cluster, model.layers, row.integer("tp"), row.integer("pp"), row.integer("dp"),
+        row.integer("micro_batch"), row.integer("global_batch"),
+        precision=row.text("precision", "bf16"), recompute=row.text("recompute", "none"),
+        schedule=row.text("schedule", "1F1B"), virtual_stages=row.integer("virtual_stages", 1),
+        flash_attention=row.flag("flash_attention", True), zero_stage=zero,
+        sequence_parallel=row.flag("sequence_parallel", False),
+    )  # fmt: skip
+    if (row.data.get("iter_time_s") or "").strip():
+        metric, value = "iter_time_s", row.number("iter_time_s")
+    elif (row.data.get("tflops_per_gpu") or "").strip():
+        metric, value = "tflops_per_gpu", row.number("tflops_per_gpu")
+    else:
+        raise InputError("iter_time_s", f"{row.where}: give iter_time_s or tflops_per_gpu")
+    return Run(source, model.name, model, cluster, metric, value, plan)
+
+
+def load_runs(path: Path) -> list[Run]:
+    """Returns the runs of a CSV file in any of the three formats (see the module doc)."""
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise InputError("--runs", f"cannot read {path}: {exc.strerror}") from None
+    reader = csv.DictReader(text.splitlines())
+    header = set(reader.fieldnames or [])
+    if {"system", "tflops_per_gpu", "n_gpus"} <= header:
+        parse = _megatron_run
+    elif {"layer_partition", "measured_iter_s"} <= header:
+        parse = _amp_run
+    else:
+        need = ["layers", "hidden", "heads", "ffn", "vocab", "seq", "gpu", "nodes",
+                "gpus_per_node", "tp", "pp", "dp", "micro_batch", "global_batch"]  # fmt: skip
+        missing = [c for c in need if c not in header]
+        if missing:
+            raise InputError(missing[0], f"{path.name}: missing column (generic format)")
+        parse = _generic_run
+    runs = [parse(_Row(r, f"{path.name} line {i + 2}"), path.name) for i, r in enumerate(reader)]
+    if not runs:
+        raise InputError("--runs", f"{path} has no rows")
+    return runs
+
+
+# ---- predicting ------------------------------------------------------------------------
+
+
+def resolve(run: Run, params: CostParams) -> Run:
+    """Returns ``run`` with its plan completed by the homogeneous search (if it had knobs)."""
+    if run.knobs is None:
+        return run
+    from hetplan.search.homogeneous import SearchSpace, search_homogeneous
+
+    k = run.knobs
+    space = SearchSpace(
+        recompute=k.recompute, zero_stages=k.zero_stages, sequence_parallel=(k.sequence_parallel,),
+        tp=(k.tp,), pp=(k.pp,), dp=(k.dp,), schedules=k.schedules,
+    )  # fmt: skip
+    extra = {"tp_comm_overlap": True} if k.overlap_grad_reduce else {}
+    found = search_homogeneous(run.model, run.cluster, k.global_batch, k.precision, top_k=1,
+                               params=params, space=space, flash_attention=k.flash_attention,
+                               finalists=4)  # fmt: skip
+    if not found.ranked:
+        raise InputError("tp", f"{run.label}: no plan with tp={k.tp} pp={k.pp} dp={k.dp} fits")
+    plan = replace(found.ranked[0][0], overlap_grad_reduce=k.overlap_grad_reduce, extra=extra)
+    return replace(run, plan=plan, knobs=None)
+
+
+def predict(run: Run, params: CostParams) -> tuple[float, bool]:
+    """Returns the predicted value of the run's metric and whether the plan fits in memory."""
+    run = resolve(run, params)
+    assert run.plan is not None
+    est = estimate(run.plan, run.model, run.cluster, params, validate=False)
+    return run.predict(est), est.fits
+
+
+# ---- fitting ---------------------------------------------------------------------------
+
+# (name, lower, upper, prior, log-scale) of the parameters fitted per GPU type
+_FIELDS = (
+    ("gemm_max", 0.05, 1.0, 0.7, False),
+    ("gemm_half_dim", 4.0, 4096.0, 128.0, True),
+    ("mem_efficiency", 0.1, 1.0, 0.7, False),
+    ("kernel_overhead_s", 1e-6, 3e-4, 1e-5, True),
+    ("link_efficiency", 0.1, 1.0, 0.7, False),
+)
+PRIOR_WEIGHT = 0.05
+"""Weight of the (log-)distance of each parameter from its prior: a weak pull that keeps
+few rows from driving poorly determined parameters to a bound."""
+
+
+def _pack(eff: GPUEfficiency, base: CostParams) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    x, lo, hi = [], [], []
+    for name, a, b, _, log in _FIELDS:
+        value = getattr(eff, name)
+        value = base.link_efficiency if value is None else value
+        f = math.log if log else float
+        x.append(f(min(max(value, a), b)))
+        lo.append(f(a))
+        hi.append(f(b))
+    return np.array(x), np.array(lo), np.array(hi)
+
+
+def _unpack(x: np.ndarray) -> GPUEfficiency:
+    return GPUEfficiency(
+        **{f[0]: math.exp(float(v)) if f[4] else float(v) for v, f in zip(x, _FIELDS, strict=True)}
+    )
+
+
+def _gpu_of(run: Run) -> str:
+    return run.cluster.nodes[0].gpu.name
+
+
+def _residuals(x: np.ndarray, runs: list[Run], base: CostParams, gpu: str) -> np.ndarray:
+    params = base.with_gpu(gpu, _unpack(x))
+    out = []
+    for run in runs:
+        assert run.plan is not None and run.measured is not None
+        est = estimate(run.plan, run.model, run.cluster, params, validate=False)
+        out.append(math.log(run.predict(est) / run.measured))
+    for xi, (_, _, _, prior, log) in zip(x, _FIELDS, strict=True):
+        out.append(PRIOR_WEIGHT * ((xi - math.log(prior)) if log else (xi / prior - 1.0)))
+    return np.array(out)
+
+
+def _fit_gpu(runs: list[Run], base: CostParams, gpu: str, max_nfev: int) -> GPUEfficiency:
+    x0, lo, hi = _pack(base.gpu(gpu), base)
+    # a tolerance of 1e-4 on log errors is far below the data's own noise (~1%)
+    sol = least_squares(_residuals, x0, bounds=(lo, hi), args=(runs, base, gpu), x_scale="jac",
+                        ftol=1e-4, xtol=1e-4, gtol=1e-4, max_nfev=max_nfev)  # fmt: skip
+    return _unpack(sol.x)
+
+
+def _with_default(params: CostParams) -> CostParams:
+    """Returns ``params`` whose ``default`` (for GPU types without data) is the geometric
+    mean of the fitted types, and whose global link efficiency is their mean."""
+    effs = list(params.gpus.values())
+    if not effs:
+        return params
+    mean = {
+        name: float(np.exp(np.mean([math.log(getattr(e, name)) for e in effs])))
+        for name, *_ in _FIELDS
+        if name != "link_efficiency"
+    }
+    links = [e.link_efficiency for e in effs if e.link_efficiency is not None]
+    link = float(np.mean(links)) if links else params.link_efficiency
+    return replace(params, default=GPUEfficiency(**mean), link_efficiency=link)
+
+
+def fit(runs: Iterable[Run], start: CostParams | None = None, max_nfev: int = 200) -> CostParams:
+    """Returns parameters fitted, per GPU type, to that type's measured runs (OOM rows
+    are ignored); types without runs keep ``start``'s values."""
+    params = start or CostParams()
+    measured = [r for r in runs if r.measured is not None]
+    if not measured:
+        raise InputError("--runs", "no row has a measured value to fit")
+    # knobs the search chooses are fixed with the starting parameters, then chosen again
+    # with the fitted ones and the fit repeated
+    rounds = 2 if any(r.knobs for r in measured) else 1
+    for _ in range(rounds):
+        fixed = [resolve(r, params) for r in measured]
+        for gpu in sorted({_gpu_of(r) for r in fixed}):
+            group = [r for r in fixed if _gpu_of(r) == gpu]
+            params = params.with_gpu(gpu, _fit_gpu(group, params, gpu, max_nfev))
+    return _with_default(params)
+
+
+# ---- leave-one-out error ---------------------------------------------------------------
+
+
+def _summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    done = [r for r in rows if r["measured"] is not None]
+    errs = [abs(r["error_pct"]) for r in done]
+    rho = spearmanr([r["predicted"] for r in done], [r["measured"] for r in done])[0]
+    oom = [r for r in rows if r["measured"] is None]
+    return {
+        "n": len(done),
+        "mae_pct": float(np.mean(errs)) if errs else math.nan,
+        "max_pct": float(np.max(errs)) if errs else math.nan,
+        "spearman": float(rho) if len(done) > 2 else math.nan,
+        "loo": True,
+        "oom_rows": len(oom),
+        "oom_rows_flagged": sum(not r["fits"] for r in oom),
+        "measured_rows_flagged": sum(not r["fits"] for r in done),
+    }
+
+
+LOO_MAX_EVALUATIONS = 30
+"""Refits of the leave-one-out folds start from the all-rows fit; they are capped."""
+
+
+def _fold(i: int, runs: list[Run], fixed: list[Run], params: CostParams) -> CostParams:
+    """Returns ``params`` refitted without row ``i`` (only its GPU type's parameters)."""
+    run = runs[i]
+    if run.measured is None:
+        return params
+    gpu = _gpu_of(run)
+    group = [r for j, r in enumerate(fixed) if j != i and r.measured is not None
+             and _gpu_of(r) == gpu]  # fmt: skip
+    if not group:
+        return params
+    return params.with_gpu(gpu, _fit_gpu(group, params, gpu, LOO_MAX_EVALUATIONS))
+
+
+def leave_one_out(
+    runs: list[Run], params: CostParams | None = None, workers: int | None = None
+) -> dict[str, Any]:
+    """Returns, per source file, the leave-one-out error: each measured row is predicted by
+    parameters refitted without it (warm-started from the fit on all rows, ``params``);
+    the folds run in ``workers`` processes (default: one per CPU)."""
+    params = params or fit(runs)
+    fixed = [resolve(r, params) if r.measured is not None else r for r in runs]
+    n = len(runs)
+    workers = workers or os.cpu_count() or 1
+    if workers > 1 and n > 4:
+        with ProcessPoolExecutor(workers) as pool:
+            folds = list(pool.map(_fold, range(n), [runs] * n, [fixed] * n, [params] * n))
+    else:
+        folds = [_fold(i, runs, fixed, params) for i in range(n)]
+    rows: dict[str, list[dict[str, Any]]] = {}
+    for run, held in zip(runs, folds, strict=True):
+        resolved = resolve(run, held)
+        assert resolved.plan is not None
+        est = estimate(resolved.plan, run.model, run.cluster, held, validate=False)
+        pred = run.predict(est)
+        plan = resolved.plan
+        rows.setdefault(run.source, []).append({
+            "label": run.label,
+            "metric": run.metric,
+            "predicted": pred,
+            "measured": run.measured,
+            "error_pct": (pred / run.measured - 1) * 100 if run.measured else None,
+            "fits": est.fits,
+            "micro_batch": plan.micro_batch_size,
+            "virtual_stages": plan.virtual_stages,
+            "recompute": plan.recompute,
+            "searched": run.knobs is not None,
+        })  # fmt: skip
+    return {src: {**_summary(r), "rows": r} for src, r in rows.items()}
+
+
+def calibrate_file(path: Path, out_path: Path | None = None) -> tuple[CostParams, dict[str, Any]]:
+    """Returns parameters fitted to the runs of ``path`` and their leave-one-out report;
+    writes the parameters (with the report's summary) to ``out_path`` if given."""
+    params, report = calibrate_runs(load_runs(path))
+    if out_path is not None:
+        params.save(out_path)
+    return params, report.get(path.name, {})
+
+
+def shipped_files() -> list[Path]:
+    """Returns the paths of the calibration CSVs shipped with the package."""
+    root = Path(str(resources.files("hetplan.data").joinpath("calibration")))
+    return [root / "megatron_homogeneous.csv", root / "amp_t4_homogeneous.csv"]
+
+
+def calibrate_runs(runs: list[Run]) -> tuple[CostParams, dict[str, Any]]:
+    """Returns parameters fitted to ``runs`` (their ``fit_report`` set) and the LOO report."""
+    params = fit(runs)
+    report = leave_one_out(runs, params)
+    summary = {src: {k: v for k, v in r.items() if k != "rows"} for src, r in report.items()}
+    return replace(params, fit_report=summary), report

@@ -1,0 +1,58 @@
+import pytest
+
+from hetplan.cluster import parse_inline_cluster
+from hetplan.cost import comm
+from hetplan.cost.params import CostParams, GPUEfficiency
+
+PARAMS = CostParams(link_efficiency=0.5, intra_latency_s=0.0, inter_latency_s=0.0)
+
+
+def test_ring_allreduce_bytes():
+    assert comm.ring_allreduce_bytes(8e6, 1) == 0.0
+    assert comm.ring_allreduce_bytes(8e6, 2) == pytest.approx(8e6)
+    assert comm.ring_allreduce_bytes(8e6, 8) == pytest.approx(2 * 7 / 8 * 8e6)
+
+
+def test_intra_node_allreduce_is_ring_bytes_over_link():
+    node = parse_inline_cluster("A100-80GB:1x8").nodes[0]
+    size = 1e9
+    expected = 2 * 7 / 8 * size / (node.intra_node_bytes_per_s * 0.5)
+    assert comm.intra_node_allreduce_s(size, 8, node, PARAMS) == pytest.approx(expected)
+    with_latency = CostParams(link_efficiency=0.5, intra_latency_s=1e-5)
+    assert comm.intra_node_allreduce_s(size, 8, node, with_latency) == pytest.approx(
+        expected + 14 * 1e-5
+    )
+
+
+def test_hierarchical_allreduce_on_two_nodes():
+    """Two nodes x 4 GPUs: ring inside each node on the full size, and across the two nodes
+    on a quarter each, the four GPUs of a node sharing its network link; the phases are
+    pipelined, so the slower one sets the time."""
+    nodes = parse_inline_cluster("T4:2x4").nodes
+    members = [nodes[0]] * 4 + [nodes[1]] * 4
+    size = 400e6
+    node = nodes[0]
+    intra = 2 * 3 / 4 * size / (node.intra_node_bytes_per_s * 0.5)
+    inter = 2 * 1 / 2 * (size / 4) / (node.network_bytes_per_s / 4 * 0.5)
+    got = comm.group_allreduce_s(size, members, PARAMS)
+    assert got == pytest.approx(max(intra, inter))
+    # one GPU per node: a plain two-member ring over the network
+    alone = comm.group_allreduce_s(size, [nodes[0], nodes[1]], PARAMS)
+    assert alone == pytest.approx(size / (node.network_bytes_per_s * 0.5))
+    assert comm.group_allreduce_s(size, members, PARAMS, volume=0.5) == pytest.approx(got / 2)
+
+
+def test_per_gpu_link_efficiency_overrides_the_global_one():
+    node = parse_inline_cluster("T4:1x4").nodes[0]
+    own = PARAMS.with_gpu("T4", GPUEfficiency(link_efficiency=0.25))
+    base = comm.intra_node_allreduce_s(1e8, 4, node, PARAMS)
+    assert comm.intra_node_allreduce_s(1e8, 4, node, own) == pytest.approx(2 * base)
+
+
+def test_p2p_inside_and_across_nodes():
+    a, b = parse_inline_cluster("A100-80GB:2x8").nodes
+    size = 64e6
+    assert comm.p2p_s(size, a, a, PARAMS) == pytest.approx(size / (a.intra_node_bytes_per_s * 0.5))
+    assert comm.p2p_s(size, a, b, PARAMS, concurrency=8) == pytest.approx(
+        8 * size / (a.network_bytes_per_s * 0.5)
+    )

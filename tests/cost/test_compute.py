@@ -1,0 +1,66 @@
+import pytest
+
+from hetplan.cost.compute import gemm_efficiency, gemm_time_s, layer_times
+from hetplan.cost.params import GPUEfficiency
+from hetplan.hardware import get_gpu
+from hetplan.model import ModelSpec
+
+GPT = ModelSpec("t", "gpt", 24, 2048, 16, 16, 8192, 51200, 2048)
+
+
+def test_model_flops_follow_the_six_n_d_rule():
+    """Weight matmuls: 2 FLOPs per parameter per token forward, 3x for forward + backward."""
+    s, h, f = GPT.seq, GPT.hidden, GPT.ffn
+    weights = 4 * h * h + 2 * h * f  # qkv + output projection + two MLP matrices
+    assert GPT.layer_matmul_flops() == pytest.approx(2 * weights * s)
+    per_seq = GPT.model_flops_per_sequence()
+    dense = 6 * (GPT.layers * weights + GPT.vocab * h) * s
+    attention = 3 * GPT.layers * 4 * s * s * h
+    assert per_seq == pytest.approx(dense + attention)
+
+
+def test_gemm_efficiency_is_monotone_and_saturates():
+    eff = GPUEfficiency(gemm_max=0.8, gemm_half_dim=128.0)
+    sizes = [16, 64, 128, 512, 4096, 65536]
+    values = [gemm_efficiency(eff, n, n, n) for n in sizes]
+    assert values == sorted(values)
+    assert gemm_efficiency(eff, 128, 4096, 4096) == pytest.approx(0.4)  # half at half_dim
+    assert values[-1] < 0.8
+    assert values[-1] == pytest.approx(0.8, rel=0.01)
+
+
+def test_gemm_time_is_flops_over_effective_peak():
+    eff = GPUEfficiency(gemm_max=0.5, gemm_half_dim=0.0)
+    assert gemm_time_s(eff, 100e12, 1024, 2048, 4096, batch=3) == pytest.approx(
+        2 * 1024 * 2048 * 4096 * 3 / 50e12
+    )
+
+
+def test_large_layer_time_approaches_flops_over_peak():
+    """With no overheads and free memory traffic, forward = layer FLOPs / (peak x gemm_max)."""
+    gpu = get_gpu("A100-80GB")
+    eff = GPUEfficiency(gemm_max=1.0, gemm_half_dim=0.0, mem_efficiency=1.0, kernel_overhead_s=0)
+    lt = layer_times(GPT, gpu, eff, 1, 1, "bf16", True)
+    ideal = GPT.layer_flops() / gpu.peak_flops("bf16")
+    assert ideal < lt.forward_s < 1.25 * ideal  # the rest is elementwise traffic
+    unfused = layer_times(GPT, gpu, eff, 1, 1, "bf16", False)
+    # without flash attention the s^2 scores go through memory: mask, softmax, dropout
+    scores = GPT.heads * GPT.seq**2
+    assert unfused.forward_s > lt.forward_s + scores * 8 / gpu.hbm_bytes_per_s
+    assert lt.backward_s == pytest.approx(2 * lt.forward_s, rel=0.05)
+
+
+def test_tensor_parallelism_splits_the_work():
+    gpu = get_gpu("A100-80GB")
+    eff = GPUEfficiency(gemm_half_dim=0.0, kernel_overhead_s=0.0)
+    one = layer_times(GPT, gpu, eff, 1, 2, "bf16", True).forward_s
+    four = layer_times(GPT, gpu, eff, 4, 2, "bf16", True).forward_s
+    assert four < one / 3  # the replicated norms and residuals keep it above one / 4
+
+
+def test_kernel_overhead_adds_a_fixed_cost():
+    gpu = get_gpu("T4")
+    small = ModelSpec("s", "gpt", 2, 64, 1, 1, 256, 128, 16)
+    fast = layer_times(small, gpu, GPUEfficiency(kernel_overhead_s=1e-6), 1, 1, "fp16", False)
+    slow = layer_times(small, gpu, GPUEfficiency(kernel_overhead_s=1e-4), 1, 1, "fp16", False)
+    assert slow.forward_s - fast.forward_s == pytest.approx(18 * 99e-6)
