@@ -349,6 +349,12 @@ def provision(
         "balanced"
     ),
     spot: Annotated[bool, typer.Option("--spot", help="Rent spot instances")] = False,
+    mixes: Annotated[
+        bool, typer.Option("--mixes", help="Also search two-type mixes (heterogeneous planner)")
+    ] = False,
+    max_mix_plans: Annotated[
+        int, typer.Option("--max-mix-plans", help="Cap on mixes planned after bounding")
+    ] = 64,
     checkpoint_interval: Annotated[
         str, typer.Option("--checkpoint-interval", help="Spot: work lost is half of it")
     ] = "30m",
@@ -393,6 +399,8 @@ def provision(
         constraints,
         load_params(params_path),
         terms,
+        mixes=mixes,
+        max_mix_plans=max_mix_plans,
     )
     if plot is not None:
         write_pareto_plot(plot, res, constraints)
@@ -401,10 +409,12 @@ def provision(
         return
     title = (
         f"{spec.name}, {n_tokens:.3g} tokens: time-versus-cost front "
-        f"({res.planned} configurations planned, {res.pruned} pruned, "
+        f"({res.planned} configurations planned, {res.pruned} pruned by bounds, "
         f"{res.search_time_s:.1f} s)"
     )
     out.print(front_table(res, title))
+    if res.skipped:
+        out.print(f"{res.skipped} mixes left unexplored past --max-mix-plans")
     if res.recommended is None:
         out.print(f"[bold red]no recommendation[/]: {res.reason}")
     else:

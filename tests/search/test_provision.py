@@ -96,3 +96,138 @@ def test_default_market_and_errors():
         )
     with pytest.raises(InputError, match="offers"):
         market_from_dict({"nodes": []})
+
+
+def _front(**kw):
+    from hetplan.search.provision import provision
+
+    return provision(load_model("gpt2-medium"), _market(), 1e9, 64, "fp16", **kw)
+
+
+def test_more_budget_is_never_slower_and_tighter_deadline_never_cheaper():
+    from hetplan.search.provision import Constraints, recommend
+
+    res = _front()
+    costs = sorted(p.total_cost_usd for p in res.front)
+    times = sorted(p.time_to_train_s for p in res.front)
+    prev_time = math.inf
+    for budget in costs:
+        best, _ = recommend(res.front, "time", Constraints(budget_usd=budget))
+        assert best is not None and best.time_to_train_s <= prev_time
+        prev_time = best.time_to_train_s
+    prev_cost = 0.0
+    for deadline in reversed(times):
+        best, _ = recommend(res.front, "cost", Constraints(deadline_s=deadline))
+        assert best is not None and best.total_cost_usd >= prev_cost
+        prev_cost = best.total_cost_usd
+
+
+def test_objectives_and_binding_constraint():
+    from hetplan.search.provision import Constraints, recommend
+
+    res = _front()
+    fastest, _ = recommend(res.front, "time", Constraints())
+    cheapest, _ = recommend(res.front, "cost", Constraints())
+    assert fastest is not None and cheapest is not None
+    assert fastest.time_to_train_s == min(p.time_to_train_s for p in res.front)
+    assert cheapest.total_cost_usd == min(p.total_cost_usd for p in res.front)
+    none, why = recommend(res.front, "cost", Constraints(deadline_s=1.0))
+    assert none is None and "deadline binds" in why
+    none, why = recommend(res.front, "time", Constraints(budget_usd=1e-6))
+    assert none is None and "budget binds" in why
+    for p in res.front:
+        assert p.plan is not None and p.estimate is not None and p.estimate.fits
+
+
+def test_provision_cli(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    market = tmp_path / "m.yaml"
+    market.write_text(
+        "offers:\n"
+        "  - {gpu: A100-80GB, gpus_per_node: 8, max_nodes: 2, on_demand_usd_per_gpu_hour: 3.43}\n"
+        "  - {gpu: T4, gpus_per_node: 4, max_nodes: 4, on_demand_usd_per_gpu_hour: 0.526}\n"
+    )
+    png = tmp_path / "front.png"
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "hetplan",
+            "provision",
+            "--model",
+            "gpt2-medium",
+            "--market",
+            str(market),
+            "--tokens",
+            "2e9",
+            "--objective",
+            "cost",
+            "--json",
+            "--plot",
+            str(png),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert res.returncode == 0, res.stderr
+    data = json.loads(res.stdout)
+    assert data["front"] and data["recommended"]["reason"] and data["search_time_s"] >= 0
+    for key in ("gpus", "time_to_train_s", "total_cost_usd", "usd_per_hour", "plan"):
+        assert key in data["front"][0]
+    assert png.read_bytes()[:4] == b"\x89PNG"
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("offers:\n  - {gpu: T4, max_nodes: 1, on_demand_usd_per_gpu_hour: -2}\n")
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "hetplan",
+            "provision",
+            "--model",
+            "gpt2-medium",
+            "--market",
+            str(bad),
+            "--tokens",
+            "2e9",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert res.returncode == 2 and "on_demand_usd_per_gpu_hour" in res.stderr
+
+
+def test_mixes_front_equals_exhaustive_front():
+    """Two-type mixes through the heterogeneous planner: bounding loses no front point."""
+    from hetplan.search.provision import provision
+
+    market = market_from_dict(
+        {
+            "offers": [
+                {
+                    "gpu": "A100-80GB",
+                    "gpus_per_node": 2,
+                    "max_nodes": 1,
+                    "on_demand_usd_per_gpu_hour": 3.43,
+                },
+                {
+                    "gpu": "T4",
+                    "gpus_per_node": 2,
+                    "max_nodes": 2,
+                    "on_demand_usd_per_gpu_hour": 0.526,
+                },
+            ]
+        }
+    )
+    model = load_model("gpt2")
+    fast = provision(model, market, 1e9, 16, "fp16", mixes=True, prune=True)
+    full = provision(model, market, 1e9, 16, "fp16", mixes=True, prune=False)
+    key = [(p.gpus, round(p.time_to_train_s, 6), round(p.total_cost_usd, 6)) for p in fast.front]
+    assert key == [
+        (p.gpus, round(p.time_to_train_s, 6), round(p.total_cost_usd, 6)) for p in full.front
+    ]
+    assert any(len(p.gpus) == 2 for p in full.points)

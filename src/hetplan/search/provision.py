@@ -131,6 +131,8 @@ class ProvisionResult:
     search_time_s: float = 0.0
     recommended: Point | None = None
     reason: str = ""
+    skipped: int = 0
+    """Mix candidates the bounds could not rule out but the plan cap left unexplored."""
 
 
 def _single_type(
@@ -183,6 +185,78 @@ def _single_type(
             )
         )
     return planned, pruned
+
+
+def _mix_cluster(a: Offer, na: int, b: Offer, nb: int, spot: bool) -> Cluster:
+    return Cluster(a.cluster(na, spot).nodes + b.cluster(nb, spot).nodes)
+
+
+def _mixes(
+    model: ModelSpec,
+    offers: list[Offer],
+    tokens: float,
+    global_batch: int,
+    precision: str,
+    spot: bool,
+    params: CostParams,
+    terms: SpotTerms,
+    prune: bool,
+    points: list[Point],
+    flash: bool,
+    max_plans: int,
+) -> tuple[int, int, int]:
+    """Adds two-type mixes that bounds cannot rule out; returns (planned, pruned, skipped).
+
+    Candidates are planned in order of their cost bound, each checked against every point
+    found so far just before planning; past ``max_plans`` the rest are counted as skipped.
+    """
+    from hetplan.search.heterogeneous import search_heterogeneous
+
+    flops = _flops_to_train(model, tokens)
+    rate = {
+        o.name: o.gpu.peak_flops(precision) * _efficiency(model, o, precision, params, flash)
+        for o in offers
+    }
+    cands: list[tuple[float, float, Offer, int, Offer, int, float]] = []
+    pruned = 0
+    for i, a in enumerate(offers):
+        for b in offers[i + 1 :]:
+            for na in range(1, a.max_nodes + 1):
+                for nb in range(1, b.max_nodes + 1):
+                    slow = 1.0
+                    if spot:
+                        slow = max(spot_slowdown(a, na, terms), spot_slowdown(b, nb, terms))
+                        if math.isinf(slow):
+                            continue
+                    ga, gb = na * a.gpus_per_node, nb * b.gpus_per_node
+                    usd_hour = a.price(spot) * ga + b.price(spot) * gb
+                    t_lb = flops / (rate[a.name] * ga + rate[b.name] * gb) * slow
+                    c_lb = t_lb / 3600 * usd_hour
+                    if prune and _dominated(t_lb, c_lb, points):
+                        pruned += 1
+                        continue
+                    cands.append((c_lb, t_lb, a, na, b, nb, slow))
+    cands.sort(key=lambda x: (x[0], x[1]))
+    planned = skipped = 0
+    for c_lb, t_lb, a, na, b, nb, slow in cands:
+        if prune and _dominated(t_lb, c_lb, points):
+            pruned += 1
+            continue
+        if planned >= max_plans:
+            skipped += 1
+            continue
+        planned += 1
+        cluster = _mix_cluster(a, na, b, nb, spot)
+        res = search_heterogeneous(model, cluster, global_batch, precision, 1, params, flash)
+        if not res.ranked:
+            continue
+        plan, est = res.ranked[0]
+        # the whole rented cluster is paid for, even GPUs the best plan leaves idle
+        rented = a.price(spot) * na * a.gpus_per_node + b.price(spot) * nb * b.gpus_per_node
+        t = tokens / est.tokens_per_s * slow
+        gpus = {a.gpu.name: na * a.gpus_per_node, b.gpu.name: nb * b.gpus_per_node}
+        points.append(Point(gpus, spot, t, t / 3600 * rented, rented, plan, est, cluster))
+    return planned, pruned, skipped
 
 
 def _materialise(
@@ -271,9 +345,12 @@ def provision(
     terms: SpotTerms | None = None,
     prune: bool = True,
     flash_attention: bool = True,
+    mixes: bool = False,
+    max_mix_plans: int = 64,
 ) -> ProvisionResult:
-    """Returns the time/cost front over the market's single-type configurations and the
-    recommended point for ``objective`` (time, cost or balanced) under ``constraints``."""
+    """Returns the time/cost front over the market's configurations (single types, and
+    two-type mixes with ``mixes``) and the recommended point for ``objective`` (time, cost or
+    balanced) under ``constraints``."""
     start = time.process_time()
     params = params or default_params()
     terms = terms or SpotTerms()
@@ -311,6 +388,24 @@ def provision(
         )
         planned += a
         pruned += b
+    skipped = 0
+    if mixes:
+        a, b, skipped = _mixes(
+            model,
+            offers,
+            tokens,
+            global_batch,
+            precision,
+            spot,
+            params,
+            terms,
+            prune,
+            points,
+            flash_attention,
+            max_mix_plans,
+        )
+        planned += a
+        pruned += b
     offer_of = {o.gpu.name: o for o in offers}
     # front points get real plans scored by estimate(); repeat until the front is all real
     while True:
@@ -319,13 +414,15 @@ def provision(
         if not todo:
             break
         for p in todo:
-            name, count = next(iter(p.gpus.items()))
+            name, count = next(iter(p.gpus.items()))  # mixes arrive with their plans
             offer = offer_of[name]
             nodes = count // offer.gpus_per_node
             slow = spot_slowdown(offer, nodes, terms) if spot else 1.0
             _materialise(p, model, global_batch, precision, tokens, params, slow, flash_attention)
     best, why = recommend(front, objective, constraints)
-    return ProvisionResult(points, front, planned, pruned, time.process_time() - start, best, why)
+    return ProvisionResult(
+        points, front, planned, pruned, time.process_time() - start, best, why, skipped
+    )
 
 
 def provision_single_type(
