@@ -13,12 +13,12 @@ import tracemalloc
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
-from rich.console import Console  # noqa: E402
-from rich.table import Table  # noqa: E402
+from rich.console import Console
+from rich.table import Table
 
-from hetplan.cluster import parse_inline_cluster  # noqa: E402
-from hetplan.model import load_model  # noqa: E402
-from hetplan.search.homogeneous import search_homogeneous  # noqa: E402
+from hetplan.cluster import parse_inline_cluster
+from hetplan.model import load_model
+from hetplan.search.homogeneous import search_homogeneous
 
 CASES = [
     ("gpt3-175b", "A100-80GB:128x8", 1536, "fp16", 1.0),
@@ -30,8 +30,20 @@ CASES = [
 def main() -> None:
     """Prints one row per case: search time, candidates, peak memory, best plan."""
     table = Table(title="Homogeneous search: time and memory on one core")
-    for col in ("model", "cluster", "GPUs", "candidates", "fit", "search s", "target s",
-                "py peak MB", "RSS MB", "best plan", "iter s", "MFU"):
+    for col in (
+        "model",
+        "cluster",
+        "GPUs",
+        "candidates",
+        "fit",
+        "search s",
+        "target s",
+        "py peak MB",
+        "RSS MB",
+        "best plan",
+        "iter s",
+        "MFU",
+    ):
         table.add_column(col)
     # warm the imports and caches that a CLI call pays once
     search_homogeneous(load_model("gpt2"), parse_inline_cluster("T4:1x4"), 8, "fp16")
@@ -49,11 +61,24 @@ def main() -> None:
         rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         plan, est = res.ranked[0]
         stage = plan.pipelines[0].stages[0]
-        desc = (f"tp{stage.tp} pp{len(plan.pipelines[0].stages)} dp{plan.dp} "
-                f"mb{plan.micro_batch_size} {plan.recompute} z{plan.zero_stage}")
-        table.add_row(name, cluster, str(cl.num_gpus), str(res.candidates), str(res.fitting),
-                      f"{elapsed:.2f}", f"{target:.0f}", f"{peak / 1e6:.0f}", f"{rss_mb:.0f}",
-                      desc, f"{est.iteration_time_s:.2f}", f"{est.mfu:.1%}")
+        desc = (
+            f"tp{stage.tp} pp{len(plan.pipelines[0].stages)} dp{plan.dp} "
+            f"mb{plan.micro_batch_size} {plan.recompute} z{plan.zero_stage}"
+        )
+        table.add_row(
+            name,
+            cluster,
+            str(cl.num_gpus),
+            str(res.candidates),
+            str(res.fitting),
+            f"{elapsed:.2f}",
+            f"{target:.0f}",
+            f"{peak / 1e6:.0f}",
+            f"{rss_mb:.0f}",
+            desc,
+            f"{est.iteration_time_s:.2f}",
+            f"{est.mfu:.1%}",
+        )
     Console(width=200).print(table)
 
 
