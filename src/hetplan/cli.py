@@ -429,6 +429,9 @@ def _mount_optional() -> None:
         pass
     else:
         register(app)
+    from hetplan.elastic.cli import register as register_elastic
+
+    register_elastic(app)
     try:
         from hetplan.spmd.cli import app as spmd_app
     except ImportError:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, replace
-from functools import cache, cached_property, lru_cache
+from functools import cache, cached_property
 from importlib import resources
 from pathlib import Path
 from typing import Any, Literal
@@ -177,13 +177,6 @@ class ModelSpec:
         if seq <= 0:
             raise InputError("--seq-len", "must be positive")
         return replace(self, seq=seq)
-
-
-@lru_cache(maxsize=4096)
-def _layer_activation_bytes(
-    model: ModelSpec, tp: int, sequence_parallel: bool, recompute: str, flash_attention: bool
-) -> float:
-    return model._activation_bytes(tp, sequence_parallel, recompute, flash_attention)
 
 
 @cache

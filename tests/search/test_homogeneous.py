@@ -26,11 +26,14 @@ def _brute_force_best(model, cluster, batch, precision):
     return best
 
 
-@pytest.mark.parametrize(("model", "cluster", "batch"), [
-    ("gpt2-medium", "T4:2x4", 32),
-    ("gpt3-1.3b", "V100-32GB:1x8", 64),
-    ("gpt3-2.7b", "A100-40GB:2x4", 32),
-])
+@pytest.mark.parametrize(
+    ("model", "cluster", "batch"),
+    [
+        ("gpt2-medium", "T4:2x4", 32),
+        ("gpt3-1.3b", "V100-32GB:1x8", 64),
+        ("gpt3-2.7b", "A100-40GB:2x4", 32),
+    ],
+)
 def test_search_matches_brute_force(model, cluster, batch):
     spec = load_model(model)
     cl = parse_inline_cluster(cluster)
@@ -74,8 +77,11 @@ def test_rejects_mixed_clusters():
 
 @settings(max_examples=15, deadline=None)
 @given(
-    layers=st.integers(2, 12), hidden=st.sampled_from([256, 512, 1024]),
-    heads=st.sampled_from([4, 8]), nodes=st.integers(1, 3), gpn=st.sampled_from([1, 2, 4]),
+    layers=st.integers(2, 12),
+    hidden=st.sampled_from([256, 512, 1024]),
+    heads=st.sampled_from([4, 8]),
+    nodes=st.integers(1, 3),
+    gpn=st.sampled_from([1, 2, 4]),
     gpu=st.sampled_from(["T4", "V100-16GB", "A100-40GB", "L4"]),
     batch=st.sampled_from([4, 8, 12, 16]),
 )

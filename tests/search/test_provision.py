@@ -231,3 +231,16 @@ def test_mixes_front_equals_exhaustive_front():
         (p.gpus, round(p.time_to_train_s, 6), round(p.total_cost_usd, 6)) for p in full.front
     ]
     assert any(len(p.gpus) == 2 for p in full.points)
+
+
+def test_spot_recovery_term_uses_peer_first_model():
+    """More state to recover, or a slower network, stretches a spot run more."""
+    from hetplan.search.spot import recovery_s
+
+    offer = _market(0.1).offers[0]
+    small = SpotTerms(state_bytes=1e9)
+    large = SpotTerms(state_bytes=100e9)
+    assert recovery_s(offer, 2, large) > recovery_s(offer, 2, small) > 0
+    assert spot_slowdown(offer, 2, large) > spot_slowdown(offer, 2, small)
+    # with more surviving peers the replacement's share is smaller
+    assert recovery_s(offer, 8, large) < recovery_s(offer, 2, large)

@@ -49,6 +49,9 @@ def launch(
     master_port: Annotated[int, typer.Option(help="Rendezvous port (multi-node).")] = 29500,
     db: Annotated[Path | None, typer.Option(help="Profile database for the prediction.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+    elastic: Annotated[bool, typer.Option(help="Replan and recover on preemption.")] = False,
+    local_dir: Annotated[Path | None, typer.Option(help="Node-local checkpoint disks.")] = None,
+    storage: Annotated[str | None, typer.Option(help="Shard store: directory or URL.")] = None,
 ) -> None:
     """Train a real model under the plan with torchrun (one machine) or print per-node commands."""
     from hetplan.runtime.launch import (
@@ -73,7 +76,23 @@ def launch(
         lr=lr,
         device=device,
         progress=not as_json,
+        local_dir=str(local_dir) if local_dir else None,
+        storage=storage,
     )
+    if elastic:
+        from hetplan.elastic.cli import storage_bandwidth_bytes_per_s
+        from hetplan.elastic.elastic_run import run_elastic
+
+        if not (local_dir and storage and checkpoint_every):
+            raise InputError("--elastic", "needs --local-dir, --storage and --checkpoint-every")
+        cfg = replace(cfg, progress=False)
+        rec = run_elastic(cfg, storage_bandwidth_bytes_per_s(cluster, None))
+        typer.echo(
+            json.dumps(rec)
+            if as_json
+            else f"finished at step {rec['final_step']}, {len(rec['recoveries'])} recoveries"
+        )
+        return
     checked = preflight(cfg)
     console = Console(stderr=as_json)
     predicted, source = predicted_step_time_s(checked.plan, checked.model, checked.cluster, db)

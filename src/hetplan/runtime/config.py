@@ -31,6 +31,10 @@ class RunConfig:
     """The node this process runs on (multi-node); None: rank i runs the plan's device i."""
     warmup_steps: int = 1
     progress: bool = False
+    local_dir: str | None = None
+    """Elastic runs: root of the node-local checkpoint disks (one directory per node)."""
+    storage: str | None = None
+    """Elastic runs: where checkpoint shards are uploaded (a directory or an fsspec URL)."""
 
 
 def check_data_file(path: Path, vocab: int, seq: int) -> None:

@@ -47,7 +47,9 @@ def preflight(cfg: RunConfig) -> Checked:
     if cfg.data is not None:
         check_data_file(Path(cfg.data), model.vocab, model.seq)
     resume_step = None
-    if cfg.resume:
+    if cfg.resume and cfg.local_dir:
+        pass  # elastic: each worker verifies the shards its node holds after recovery
+    elif cfg.resume:
         if not cfg.checkpoint_dir:
             raise InputError("--resume", "needs --checkpoint-dir")
         resume_step = ckpt.verify_checkpoint(Path(cfg.checkpoint_dir), model).step

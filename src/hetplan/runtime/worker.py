@@ -71,7 +71,14 @@ class Trainer:
         self.params: list[LocalParam] = local_params(list(self.modules))
         self.opt = make_optimizer([lp.param for lp in self.params], cfg.lr)
         self.step, self.position = 0, 0
-        if cfg.resume and cfg.checkpoint_dir:
+        self.elastic: Any = None
+        if cfg.local_dir:
+            from hetplan.elastic.node_ckpt import NodeCheckpointer
+
+            self.elastic = NodeCheckpointer(self, cfg.local_dir, cfg.storage)
+        if cfg.resume and self.elastic is not None:
+            self.elastic.restore()
+        elif cfg.resume and cfg.checkpoint_dir:
             self._restore(Path(cfg.checkpoint_dir))
         self.data = TokenSource(
             self.model.vocab, self.model.seq, cfg.seed, Path(cfg.data) if cfg.data else None
@@ -110,6 +117,9 @@ class Trainer:
 
     def save(self, root: Path) -> None:
         """Writes a checkpoint of the current step (collective over all ranks)."""
+        if self.elastic is not None:
+            self.elastic.save()
+            return
         flag: list[Any] = [None]
         if self.rank == 0:
             root.mkdir(parents=True, exist_ok=True)
@@ -157,8 +167,11 @@ def train(cfg: RunConfig) -> dict[str, Any]:
             tokens_s = tr.plan.global_batch_size * tr.model.seq / dt
             progress[0].update(progress[1], advance=1, loss=loss, dt=dt, tps=tokens_s)
         every = cfg.checkpoint_every
-        if cfg.checkpoint_dir and (tr.step == cfg.steps or (every and tr.step % every == 0)):
-            tr.save(Path(cfg.checkpoint_dir))
+        root = cfg.checkpoint_dir or cfg.local_dir
+        if root and (tr.step == cfg.steps or (every and tr.step % every == 0)):
+            tr.save(Path(root))
+    if tr.elastic is not None:
+        tr.elastic.finish()
     if progress is not None:
         progress[0].stop()
     timed = [s["time_s"] for s in steps[cfg.warmup_steps :]] or [s["time_s"] for s in steps]

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
 from hetplan.cluster import Cluster
@@ -354,6 +354,9 @@ def provision(
     start = time.process_time()
     params = params or default_params()
     terms = terms or SpotTerms()
+    if spot and terms.state_bytes <= 0:
+        # fp32 master weights and two Adam moments: what a replacement node must recover
+        terms = replace(terms, state_bytes=12.0 * model.total_params())
     constraints = constraints or Constraints()
     points: list[Point] = []
     planned = pruned = 0

@@ -1,0 +1,1 @@
+"""Elastic training on spot instances: replanning, recovery plans, shard storage."""

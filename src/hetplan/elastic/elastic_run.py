@@ -1,0 +1,138 @@
+"""An elastic run: torchrun's elastic agent runs the plan's workers; when one is killed (a
+preemption), the agent stops the survivors, and this supervisor replans on the nodes that
+remain, executes the recovery plan (peer copies, storage downloads, checksums verified) and
+starts the workers again from the recovered step under the new plan."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from hetplan.cluster import Cluster
+from hetplan.elastic.placement import node_of, node_shards, shard_bytes
+from hetplan.elastic.recovery import RecoveryProblem, plan_recovery
+from hetplan.elastic.replan import replan
+from hetplan.elastic.storage import ShardStore
+from hetplan.elastic.transfer import Throttle, complete_storage, execute, survey
+from hetplan.errors import InputError
+from hetplan.runtime.config import RunConfig
+from hetplan.runtime.launch import WORKER, _env, preflight, worker_args
+
+log = logging.getLogger(__name__)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def launch_workers(cfg: RunConfig, nproc: int) -> dict[int, int]:
+    """Runs the workers under torchrun's elastic agent; returns {} on success, else the exit
+    code of every failed rank (a preempted one was killed: -SIGKILL)."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    conf = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=nproc,
+        run_id=uuid.uuid4().hex,
+        rdzv_backend="c10d",
+        rdzv_endpoint=f"127.0.0.1:{_free_port()}",
+        max_restarts=0,
+        monitor_interval=0.05,
+        start_method="spawn",
+    )
+    os.environ.update(_env(cfg.threads))
+    try:
+        elastic_launch(conf, sys.executable)("-m", WORKER, *worker_args(cfg))
+    except ChildFailedError as exc:
+        return {int(rank): f.exitcode for rank, f in exc.failures.items()}
+    return {}
+
+
+def run_elastic(
+    cfg: RunConfig,
+    storage_bytes_per_s: float,
+    max_recoveries: int = 3,
+    emulate_bandwidth: bool = True,
+) -> dict[str, Any]:
+    """Trains ``cfg`` elastically until ``cfg.steps``; returns the last attempt's record with
+    every recovery (lost nodes, step, bytes by source, predicted and measured times)."""
+    if not cfg.local_dir or not cfg.storage:
+        raise InputError("--elastic", "needs --local-dir and --storage")
+    local_root = Path(cfg.local_dir)
+    store = ShardStore(cfg.storage)
+    recoveries: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="hetplan-elastic-") as tmp:
+        cur = replace(cfg, result=str(Path(tmp) / "result.json"))
+        checked = preflight(cur)
+        plan, model, cluster = checked.plan, checked.model, checked.cluster
+        alive: Cluster = cluster
+        for attempt in range(max_recoveries + 1):
+            order = preflight(cur).devices
+            failed = launch_workers(cur, len(order))
+            if not failed:
+                record: dict[str, Any] = json.loads(Path(cur.result or "").read_text())
+                record["recoveries"] = recoveries
+                record["plan"] = plan.to_dict()
+                return record
+            killed = sorted(
+                {node_of(order[r]) for r, code in failed.items() if code == -signal.SIGKILL}
+            )
+            if not killed:
+                raise RuntimeError(f"workers failed without a preemption: exit codes {failed}")
+            if attempt == max_recoveries:
+                raise RuntimeError(f"gave up after {max_recoveries} recoveries")
+            t0 = time.perf_counter()
+            res = replan(plan, model, alive, killed)
+            for node in killed:  # a preempted node's disk goes with it
+                shutil.rmtree(local_root / node, ignore_errors=True)
+            units = list(shard_bytes(model))
+            found = survey(local_root, [n.name for n in res.cluster.nodes], store, units)
+            problem = RecoveryProblem(
+                shard_bytes={n.removesuffix(".pt"): b for n, b in found.sizes_bytes.items()},
+                need=node_shards(res.plan, model),
+                held=found.held,
+                nic_bytes_per_s={n.name: n.network_bytes_per_s for n in alive.nodes},
+                storage_bytes_per_s=storage_bytes_per_s,
+                in_storage=found.in_storage,
+            )
+            rec = plan_recovery(problem)
+            throttle = (
+                Throttle(problem.nic_bytes_per_s, storage_bytes_per_s)
+                if emulate_bandwidth
+                else None
+            )
+            measured_s, notes = execute(rec, found, local_root, store, model, cfg.seed, throttle)
+            uploaded = complete_storage(found, local_root, store, model, cfg.seed)
+            plan, alive = res.plan, res.cluster
+            plan_path = Path(tmp) / f"plan_{attempt + 1}.json"
+            plan.save(plan_path)
+            recoveries.append(
+                {
+                    "lost": killed,
+                    "step": found.step,
+                    "plan": plan.to_dict(),
+                    "replan_time_s": res.replan_time_s,
+                    "measured_recovery_s": measured_s,
+                    "downtime_s": time.perf_counter() - t0,
+                    "uploaded_to_storage": uploaded,
+                    "notes": found.notes + notes + res.notes,
+                    **rec.to_json(),
+                }
+            )
+            cur = replace(cur, plan=str(plan_path), resume=True)
+    raise AssertionError("unreachable")

@@ -1,0 +1,213 @@
+"""Executing a recovery plan: find the newest recoverable step, copy shards, verify them.
+
+Copies run concurrently; with a ``Throttle`` each byte also reserves time on the links it
+crosses (the destination's NIC in, the source's NIC out, or storage) at the cluster file's
+bandwidths, so a run on one machine measures the contention the recovery model predicts.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from hetplan.elastic.node_ckpt import node_manifest, write_node_step
+from hetplan.elastic.placement import Placement
+from hetplan.elastic.recovery import LOCAL, STORAGE, RecoveryPlan, Transfer
+from hetplan.elastic.storage import ShardStore
+from hetplan.runtime import checkpoint as ckpt
+
+CHUNK_BYTES = 1 << 16
+
+
+class Throttle:
+    """Links with bandwidths; a chunk waits until every link it crosses is free."""
+
+    def __init__(self, nic_bytes_per_s: dict[str, float], storage_bytes_per_s: float) -> None:
+        self.rate = {f"in:{n}": b for n, b in nic_bytes_per_s.items()}
+        self.rate.update({f"out:{n}": b for n, b in nic_bytes_per_s.items()})
+        self.rate[STORAGE] = storage_bytes_per_s
+        self.free_at = dict.fromkeys(self.rate, 0.0)
+        self.lock = threading.Lock()
+
+    def pass_bytes(self, links: list[str], n: int) -> None:
+        """Blocks until ``n`` bytes have crossed ``links`` at their rates."""
+        with self.lock:
+            now = time.perf_counter()
+            start = max([now] + [self.free_at[k] for k in links])
+            end = start
+            for k in links:
+                self.free_at[k] = start + n / self.rate[k]
+                end = max(end, self.free_at[k])
+        time.sleep(max(0.0, end - time.perf_counter()))
+
+
+@dataclass
+class Survey:
+    """The newest step that can be recovered, who holds which verified shard, and notes."""
+
+    step: int
+    data_position: int
+    digests: dict[str, str]
+    """Shard file name -> SHA-256 of that step."""
+    held: dict[str, frozenset[str]]
+    in_storage: frozenset[str]
+    sizes_bytes: dict[str, int]
+    notes: list[str] = field(default_factory=list)
+
+
+def _steps(root: Path) -> list[int]:
+    return [int(p.name[5:]) for p in root.glob("step_*") if (p / ckpt.MANIFEST).is_file()]
+
+
+def survey(local_root: Path, alive: list[str], store: ShardStore, units: list[str]) -> Survey:
+    """Returns the newest step whose every shard is on a survivor (checksum verified) or in
+    storage; corrupt local copies are left out and named in the notes."""
+    names = [f"{u}.pt" for u in units]
+    steps = {s for n in alive for s in _steps(local_root / n)}
+    latest = store.latest_step()
+    steps |= {latest} if latest is not None else set()
+    for step in sorted(steps, reverse=True):
+        notes: list[str] = []
+        digests: dict[str, str] = {}
+        stored = store.manifest(step)
+        position = int(stored["data_position"]) if stored else -1
+        digests.update(stored["files"] if stored else {})
+        record = store.read_placement(step)
+        if record is not None:
+            placed = Placement.from_json(json.loads(record))
+            for shards in placed.holders.values():
+                for name, digest in shards.items():
+                    digests.setdefault(name, digest)
+        held: dict[str, set[str]] = {}
+        sizes: dict[str, int] = {}
+        for node in alive:
+            d = local_root / node / ckpt.step_dir_name(step)
+            if not (d / ckpt.MANIFEST).is_file():
+                continue
+            man = ckpt.read_manifest(d)
+            position = man.data_position
+            for name, digest in man.files.items():
+                if digests.setdefault(name, digest) != digest:
+                    notes.append(f"{node}: {name} of step {step} disagrees with storage")
+                    continue
+                if (d / name).is_file() and ckpt.sha256_file(d / name) == digest:
+                    held.setdefault(node, set()).add(name.removesuffix(".pt"))
+                    sizes[name] = (d / name).stat().st_size
+                else:
+                    notes.append(f"{node}: {name} of step {step} is corrupt; not used")
+        in_storage = {n.removesuffix(".pt") for n in names if n in digests and store.has(step, n)}
+        if stored is None:  # uncommitted uploads: usable only with a digest from a survivor
+            in_storage = {u for u in in_storage if f"{u}.pt" in digests}
+        have = set().union(*held.values()) | in_storage
+        if position >= 0 and all(u in have for u in units):
+            for n in names:
+                if n not in sizes and store.fs is None:
+                    sizes[n] = Path(store._path(ckpt.step_dir_name(step), n)).stat().st_size
+                elif n not in sizes:
+                    sizes[n] = int(store.fs.size(store._path(ckpt.step_dir_name(step), n)))
+            return Survey(
+                step,
+                position,
+                digests,
+                {n: frozenset(s) for n, s in held.items()},
+                frozenset(in_storage),
+                sizes,
+                notes,
+            )
+    raise RuntimeError("no checkpoint step can be recovered from the survivors and storage")
+
+
+def _copy(src: Path, dest: Path, links: list[str], throttle: Throttle | None) -> None:
+    tmp = dest.with_name(f".{dest.name}.part")
+    with src.open("rb") as fin, tmp.open("wb") as fout:
+        while block := fin.read(CHUNK_BYTES):
+            if throttle is not None:
+                throttle.pass_bytes(links, len(block))
+            fout.write(block)
+    tmp.replace(dest)
+
+
+def _fetch(t: Transfer, root: Path, step: int, store: ShardStore, thr: Throttle | None) -> None:
+    dest = root / t.node / ckpt.step_dir_name(step) / f"{t.shard}.pt"
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    if t.source == STORAGE:
+        if store.fs is None:
+            src = Path(store._path(ckpt.step_dir_name(step), dest.name))
+            _copy(src, dest, [STORAGE, f"in:{t.node}"], thr)
+        else:
+            store.get(step, dest.name, dest)
+    else:
+        src = root / t.source / ckpt.step_dir_name(step) / dest.name
+        _copy(src, dest, [f"out:{t.source}", f"in:{t.node}"], thr)
+
+
+def execute(
+    plan: RecoveryPlan,
+    found: Survey,
+    local_root: Path,
+    store: ShardStore,
+    model: object,
+    seed: int,
+    throttle: Throttle | None = None,
+    workers: int = 16,
+) -> tuple[float, list[str]]:
+    """Runs the transfers, verifies every shard's checksum (a bad peer copy is fetched again
+    from storage), writes each node's manifest; returns the wall time and notes."""
+    start = time.perf_counter()
+    notes: list[str] = []
+    step = found.step
+
+    def one(t: Transfer) -> None:
+        name = f"{t.shard}.pt"
+        dest = local_root / t.node / ckpt.step_dir_name(step) / name
+        if t.source != LOCAL:
+            _fetch(t, local_root, step, store, throttle)
+        if ckpt.sha256_file(dest) != found.digests[name]:
+            if t.source == STORAGE or t.shard not in found.in_storage:
+                raise RuntimeError(f"{name} from {t.source} fails its checksum; no other copy")
+            notes.append(f"{name} from {t.source} failed its checksum; fetched from storage")
+            _fetch(Transfer(t.node, t.shard, STORAGE, t.bytes), local_root, step, store, throttle)
+            if ckpt.sha256_file(dest) != found.digests[name]:
+                raise RuntimeError(f"{name} from storage fails its checksum too")
+
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        list(pool.map(one, plan.transfers))
+    nodes = sorted({t.node for t in plan.transfers})
+    for node in nodes:
+        root = local_root / node
+        for d in root.glob("step_*"):  # steps newer than the recovered one were never complete
+            if d.name[5:].isdigit() and int(d.name[5:]) > step:
+                shutil.rmtree(d, ignore_errors=True)
+        files = {
+            f"{t.shard}.pt": found.digests[f"{t.shard}.pt"]
+            for t in plan.transfers
+            if t.node == node
+        }
+        write_node_step(root, step, node_manifest(step, found.data_position, seed, model, files))
+    return time.perf_counter() - start, notes
+
+
+def complete_storage(
+    found: Survey, local_root: Path, store: ShardStore, model: object, seed: int
+) -> list[str]:
+    """Uploads the recovered step's shards storage lacks and commits it there; returns names."""
+    if store.manifest(found.step) is not None:
+        return []
+    uploaded = []
+    for name in sorted(found.digests):
+        if store.has(found.step, name):
+            continue
+        for node in sorted(found.held):
+            src = local_root / node / ckpt.step_dir_name(found.step) / name
+            if name.removesuffix(".pt") in found.held[node] and src.is_file():
+                store.put(found.step, name, src)
+                uploaded.append(name)
+                break
+    man = node_manifest(found.step, found.data_position, seed, model, found.digests)
+    store.commit(json.loads(man))
+    return uploaded

@@ -1,0 +1,103 @@
+"""Kill a worker mid-run: the run replans, recovers from survivors and storage, and ends
+with exactly the parameters of a clean run resumed from that checkpoint under the new plan."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from hetplan.model import load_model
+from hetplan.runtime import checkpoint as ckpt
+from hetplan.runtime.config import RunConfig
+from hetplan.runtime.launch import _env, run_local
+from hetplan.runtime.reference import checkpoint_params, max_relative_error, reference_train
+
+STEPS = 40
+SEED = 3
+SUPERVISOR = """
+import json, sys
+from hetplan.runtime.config import RunConfig
+from hetplan.elastic.elastic_run import run_elastic
+cfg = RunConfig(**json.loads(sys.argv[1]))
+rec = run_elastic(cfg, 20e6)
+open(sys.argv[2], "w").write(json.dumps(rec))
+"""
+
+
+def _latest(root: Path) -> int:
+    try:
+        return int((root / ckpt.LATEST).read_text().strip()[5:])
+    except (OSError, ValueError):
+        return 0
+
+
+@pytest.mark.distributed
+def test_kill_a_worker_resumes_on_the_rest(elastic_inputs: dict[str, Path], tmp_path: Path) -> None:
+    local, store = tmp_path / "local", tmp_path / "store"
+    cfg = RunConfig(
+        plan=str(elastic_inputs["plan"]),
+        model=str(elastic_inputs["model"]),
+        cluster=str(elastic_inputs["cluster"]),
+        steps=STEPS,
+        seed=SEED,
+        checkpoint_every=2,
+        threads=1,
+        local_dir=str(local),
+        storage=str(store),
+    )
+    out = tmp_path / "record.json"
+    args = [sys.executable, "-c", SUPERVISOR, json.dumps(cfg.__dict__), str(out)]
+    proc = subprocess.Popen(args, env=_env(1), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 60
+    while _latest(local / "n3") < 4:  # preempt n3 once a few checkpoints exist
+        assert proc.poll() is None and time.monotonic() < deadline, "run ended too early"
+        time.sleep(0.01)
+    pid = int((local / "n3" / "worker-3.pid").read_text())
+    os.kill(pid, signal.SIGKILL)
+    text, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, text.decode()[-3000:]
+    record = json.loads(out.read_text())
+    (rec,) = record["recoveries"]
+    assert rec["lost"] == ["n3"]
+    step = rec["step"]
+    assert 4 <= step < STEPS and step % 2 == 0
+    # the new plan runs on the three survivors; survivors' copies did most of the work
+    devices = {d for p in rec["plan"]["pipelines"] for s in p["stages"] for d in s["devices"]}
+    assert devices == {"n0:0", "n1:0", "n2:0"}
+    assert rec["bytes_local"] > 0 and rec["bytes_from_peers"] > 0
+    assert rec["predicted_recovery_s"] < rec["baseline_recovery_s"]
+    assert [s["step"] for s in record["steps"]] == list(range(step + 1, STEPS + 1))
+    # control: a clean run from the same checkpoint (complete in storage) under the new plan
+    control = tmp_path / "control"
+    shutil.copytree(store / ckpt.step_dir_name(step), control / ckpt.step_dir_name(step))
+    (control / ckpt.LATEST).write_text(ckpt.step_dir_name(step) + "\n")
+    plan2 = tmp_path / "plan2.json"
+    plan2.write_text(json.dumps(rec["plan"]))
+    ctl = RunConfig(
+        plan=str(plan2),
+        model=cfg.model,
+        cluster=cfg.cluster,
+        steps=STEPS,
+        seed=SEED,
+        threads=1,
+        checkpoint_dir=str(control),
+        resume=True,
+    )
+    ctl_record = run_local(ctl, timeout_s=120)
+    final = ckpt.verify_checkpoint(store, load_model(cfg.model))
+    assert final.step == STEPS and final.data_position == STEPS * 8
+    elastic_params = checkpoint_params(store)
+    assert max_relative_error(elastic_params, checkpoint_params(control)) == 0.0
+    losses = [s["loss"] for s in record["steps"]]
+    assert losses == [s["loss"] for s in ctl_record["steps"]]
+    # and both equal one uninterrupted full-batch run: no step saw other data
+    ref, _ = reference_train(load_model(cfg.model), 8, STEPS, SEED)
+    assert max_relative_error(elastic_params, ref) <= 1e-5

@@ -1,0 +1,71 @@
+"""Recovery execution: corrupt peer copies are detected and fetched from storage instead."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+from hetplan.elastic.node_ckpt import node_manifest, write_node_step
+from hetplan.elastic.recovery import STORAGE, RecoveryProblem, plan_recovery
+from hetplan.elastic.storage import ShardStore
+from hetplan.elastic.transfer import execute, survey
+from hetplan.model import load_model
+from hetplan.runtime import checkpoint as ckpt
+
+MODEL = load_model("gpt2")
+UNITS = ["a", "b"]
+
+
+def _setup(tmp: Path) -> tuple[Path, ShardStore, dict[str, str]]:
+    data = {f"{u}.pt": (u * 1000).encode() for u in UNITS}
+    digests = {n: hashlib.sha256(b).hexdigest() for n, b in data.items()}
+    local = tmp / "local"
+    for node in ("p", "q"):
+        d = local / node / ckpt.step_dir_name(2)
+        d.mkdir(parents=True)
+        for n, b in data.items():
+            (d / n).write_bytes(b)
+        write_node_step(local / node, 2, node_manifest(2, 16, 0, MODEL, digests))
+    store = ShardStore(str(tmp / "store"))
+    for n in data:
+        store.put(2, n, local / "p" / ckpt.step_dir_name(2) / n)
+    store.commit(json.loads(node_manifest(2, 16, 0, MODEL, digests)))
+    return local, store, digests
+
+
+def _problem(found, need: dict[str, frozenset[str]], storage_bps: float = 1e6) -> RecoveryProblem:
+    nic = {"p": 1e6, "q": 1e6, "r": 1e6}
+    return RecoveryProblem(found.sizes_bytes and {u: 1000 for u in UNITS}, need, found.held,
+                           nic, storage_bps, found.in_storage)  # fmt: skip
+
+
+def test_corrupt_peer_copy_is_left_out_at_survey(tmp_path: Path) -> None:
+    local, store, _ = _setup(tmp_path)
+    (local / "q").rename(tmp_path / "gone")  # only p survives
+    bad = local / "p" / ckpt.step_dir_name(2) / "a.pt"
+    bad.write_bytes(b"x" * 1000)
+    found = survey(local, ["p"], store, UNITS)
+    assert found.step == 2 and found.held == {"p": frozenset({"b"})}
+    assert any("a.pt" in n and "corrupt" in n for n in found.notes)
+    plan = plan_recovery(_problem(found, {"r": frozenset(UNITS)}))
+    assert {t.shard: t.source for t in plan.transfers} == {"a": STORAGE, "b": "p"}
+    execute(plan, found, local, store, MODEL, 0)
+    man = ckpt.read_manifest(local / "r")
+    assert all(ckpt.sha256_file(man.path / n) == d for n, d in man.files.items())
+
+
+def test_copy_corrupted_in_flight_is_fetched_from_storage(tmp_path: Path) -> None:
+    local, store, digests = _setup(tmp_path)
+    found = survey(local, ["p", "q"], store, UNITS)
+    plan = plan_recovery(_problem(found, {"r": frozenset(UNITS)}, storage_bps=1e5))
+    peers = [t for t in plan.transfers if t.source not in (STORAGE, "local")]
+    assert peers
+    for t in peers:  # the peer's disk rots after the survey
+        (local / t.source / ckpt.step_dir_name(2) / f"{t.shard}.pt").write_bytes(b"y" * 1000)
+    _, notes = execute(plan, found, local, store, MODEL, 0)
+    assert len(notes) == len(peers) and all("fetched from storage" in n for n in notes)
+    for u in UNITS:
+        assert (
+            ckpt.sha256_file(local / "r" / ckpt.step_dir_name(2) / f"{u}.pt") == digests[f"{u}.pt"]
+        )
