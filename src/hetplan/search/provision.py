@@ -10,9 +10,12 @@ are already beaten by a point found: it cannot reach the front.
 from __future__ import annotations
 
 import math
+import sys
 import time
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
+
+import numpy as np
 
 from hetplan.cluster import Cluster
 from hetplan.cost.compute import head_times, layer_times
@@ -191,6 +194,24 @@ def _mix_cluster(a: Offer, na: int, b: Offer, nb: int, spot: bool) -> Cluster:
     return Cluster(a.cluster(na, spot).nodes + b.cluster(nb, spot).nodes)
 
 
+def _front_cost_at(points: list[Point]) -> tuple[np.ndarray, np.ndarray]:
+    """Returns (times, best cost among points at least that fast) for vectorised dominance."""
+    pts = sorted(points, key=lambda p: p.time_to_train_s)
+    times = np.array([p.time_to_train_s for p in pts])
+    costs = np.minimum.accumulate(np.array([p.total_cost_usd for p in pts])) if pts else times
+    return times, costs
+
+
+def _dominated_mask(t_lb: np.ndarray, c_lb: np.ndarray, points: list[Point]) -> np.ndarray:
+    """Returns, per bound pair, whether some point is at least as fast and as cheap."""
+    if not points:
+        return np.zeros(t_lb.shape, dtype=bool)
+    times, costs = _front_cost_at(points)
+    idx = np.searchsorted(times, t_lb, side="right") - 1  # fastest-enough points: [0, idx]
+    best = np.where(idx >= 0, costs[np.clip(idx, 0, None)], np.inf)
+    return best <= c_lb
+
+
 def _mixes(
     model: ModelSpec,
     offers: list[Offer],
@@ -207,8 +228,10 @@ def _mixes(
 ) -> tuple[int, int, int]:
     """Adds two-type mixes that bounds cannot rule out; returns (planned, pruned, skipped).
 
-    Candidates are planned in order of their cost bound, each checked against every point
-    found so far just before planning; past ``max_plans`` the rest are counted as skipped.
+    Bounds are computed for every (count, count) pair of every two offers at once (numpy);
+    survivors are planned closest-to-the-front first (smallest ratio of their cost bound to
+    the cost of the front at their time bound), each re-checked against every point found so
+    far just before planning; past ``max_plans`` the rest are counted as skipped.
     """
     from hetplan.search.heterogeneous import search_heterogeneous
 
@@ -217,45 +240,90 @@ def _mixes(
         o.name: o.gpu.peak_flops(precision) * _efficiency(model, o, precision, params, flash)
         for o in offers
     }
-    cands: list[tuple[float, float, Offer, int, Offer, int, float]] = []
+    pairs: list[tuple[Offer, Offer, np.ndarray, np.ndarray, np.ndarray]] = []
     pruned = 0
+    times, costs = _front_cost_at(points)
     for i, a in enumerate(offers):
         for b in offers[i + 1 :]:
-            for na in range(1, a.max_nodes + 1):
-                for nb in range(1, b.max_nodes + 1):
-                    slow = 1.0
-                    if spot:
-                        slow = max(spot_slowdown(a, na, terms), spot_slowdown(b, nb, terms))
-                        if math.isinf(slow):
-                            continue
-                    ga, gb = na * a.gpus_per_node, nb * b.gpus_per_node
-                    usd_hour = a.price(spot) * ga + b.price(spot) * gb
-                    t_lb = flops / (rate[a.name] * ga + rate[b.name] * gb) * slow
-                    c_lb = t_lb / 3600 * usd_hour
-                    if prune and _dominated(t_lb, c_lb, points):
-                        pruned += 1
-                        continue
-                    cands.append((c_lb, t_lb, a, na, b, nb, slow))
-    cands.sort(key=lambda x: (x[0], x[1]))
-    planned = skipped = 0
-    for c_lb, t_lb, a, na, b, nb, slow in cands:
-        if prune and _dominated(t_lb, c_lb, points):
+            na = np.arange(1, a.max_nodes + 1)[:, None]
+            nb = np.arange(1, b.max_nodes + 1)[None, :]
+            ga, gb = na * a.gpus_per_node, nb * b.gpus_per_node
+            usd_hour = a.price(spot) * ga + b.price(spot) * gb
+            slow = np.ones(usd_hour.shape)
+            if spot:
+                sa = np.array([spot_slowdown(a, int(n), terms) for n in na[:, 0]])[:, None]
+                sb = np.array([spot_slowdown(b, int(n), terms) for n in nb[0, :]])[None, :]
+                slow = np.maximum(sa, sb) * slow
+            t_lb = flops / (rate[a.name] * ga + rate[b.name] * gb) * slow
+            c_lb = t_lb / 3600 * usd_hour
+            ok = np.isfinite(t_lb)
+            if prune:
+                dom = _dominated_mask(t_lb, c_lb, points) & ok
+                pruned += int(dom.sum())
+                ok &= ~dom
+            pairs.append((a, b, t_lb, c_lb, slow))
+            pairs[-1][2][~ok] = np.inf  # ruled out
+    # exhaustive mode (no pruning) plans every pair of counts
+    cap = max_plans if prune else sys.maxsize
+    # closest to the front first: cost bound over the front's cost at the time bound
+    flat: list[tuple[float, float, float, int, int, int]] = []
+    for pi, (_, _, t_lb, c_lb, _) in enumerate(pairs):
+        live = np.isfinite(t_lb)
+        if not live.any():
+            continue
+        if len(times):
+            k = np.searchsorted(times, t_lb[live], side="right") - 1
+            ratio = np.where(k >= 0, c_lb[live] / costs[np.clip(k, 0, None)], 0.0)
+        else:
+            ratio = np.zeros(int(live.sum()))
+        xs, ys = np.nonzero(live)
+        keep = np.argsort(ratio, kind="stable")[: 4 * cap]
+        flat += [
+            (
+                float(ratio[q]),
+                float(c_lb[xs[q], ys[q]]),
+                float(t_lb[xs[q], ys[q]]),
+                pi,
+                int(xs[q]),
+                int(ys[q]),
+            )
+            for q in keep
+        ]
+    flat.sort()
+    order = flat[: 4 * cap]
+    planned = 0
+    tried: set[tuple[int, int, int]] = set()
+    for _, c_lb_, t_lb_, pi, x, y in order:
+        if planned >= cap:
+            break
+        tried.add((pi, x, y))
+        if prune and _dominated(t_lb_, c_lb_, points):
             pruned += 1
             continue
-        if planned >= max_plans:
-            skipped += 1
-            continue
         planned += 1
-        cluster = _mix_cluster(a, na, b, nb, spot)
+        a, b, _, _, slow = pairs[pi]
+        na_, nb_ = x + 1, y + 1
+        cluster = _mix_cluster(a, na_, b, nb_, spot)
         res = search_heterogeneous(model, cluster, global_batch, precision, 1, params, flash)
         if not res.ranked:
             continue
         plan, est = res.ranked[0]
         # the whole rented cluster is paid for, even GPUs the best plan leaves idle
-        rented = a.price(spot) * na * a.gpus_per_node + b.price(spot) * nb * b.gpus_per_node
-        t = tokens / est.tokens_per_s * slow
-        gpus = {a.gpu.name: na * a.gpus_per_node, b.gpu.name: nb * b.gpus_per_node}
+        rented = a.price(spot) * na_ * a.gpus_per_node + b.price(spot) * nb_ * b.gpus_per_node
+        t = tokens / est.tokens_per_s * float(slow[x, y])
+        gpus = {a.gpu.name: na_ * a.gpus_per_node, b.gpu.name: nb_ * b.gpus_per_node}
         points.append(Point(gpus, spot, t, t / 3600 * rented, rented, plan, est, cluster))
+    # what was neither planned nor tried: ruled out by the final points, or skipped
+    skipped = 0
+    for pi, (_, _, t_lb, c_lb, _) in enumerate(pairs):
+        live = np.isfinite(t_lb)
+        left = live.copy()
+        for qi, x, y in tried:
+            if qi == pi:
+                left[x, y] = False
+        dom = _dominated_mask(t_lb, c_lb, points) & left if prune else np.zeros_like(left)
+        pruned += int(dom.sum())
+        skipped += int((left & ~dom).sum())
     return planned, pruned, skipped
 
 
