@@ -8,22 +8,51 @@ import pytest
 
 
 def run(*args, cwd=None):
-    return subprocess.run([sys.executable, "-m", "hetplan", *args], capture_output=True,
-                          text=True, cwd=cwd, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "hetplan", *args],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        timeout=120,
+    )
 
 
 def test_plan_json_and_files(tmp_path):
     out = tmp_path / "best.json"
     trace = tmp_path / "trace.json"
     png = tmp_path / "timeline.png"
-    res = run("plan", "--model", "gpt3-1.3b", "--cluster", "A100-80GB:2x8", "--top", "3",
-              "--json", "--out", str(out), "--trace", str(trace), "--timeline", str(png))
+    res = run(
+        "plan",
+        "--model",
+        "gpt3-1.3b",
+        "--cluster",
+        "A100-80GB:2x8",
+        "--top",
+        "3",
+        "--json",
+        "--out",
+        str(out),
+        "--trace",
+        str(trace),
+        "--timeline",
+        str(png),
+    )
     assert res.returncode == 0, res.stderr
     data = json.loads(res.stdout)
     assert len(data["plans"]) == 3 and data["search_time_s"] > 0
     first = data["plans"][0]
-    for key in ("iteration_time_s", "tokens_per_s", "tflops_per_gpu", "hardware_tflops_per_gpu",
-                "mfu", "fits", "peak_memory_gb", "cost_usd_per_hour", "breakdown", "plan"):
+    for key in (
+        "iteration_time_s",
+        "tokens_per_s",
+        "tflops_per_gpu",
+        "hardware_tflops_per_gpu",
+        "mfu",
+        "fits",
+        "peak_memory_gb",
+        "cost_usd_per_hour",
+        "breakdown",
+        "plan",
+    ):
         assert key in first
     assert len(first["peak_memory_gb"]) == 16
     assert json.loads(out.read_text())["pipelines"]
@@ -33,23 +62,57 @@ def test_plan_json_and_files(tmp_path):
 
 
 def test_plan_table():
-    res = run("plan", "--model", "gpt2-medium", "--cluster", "T4:4x4", "--global-batch-size",
-              "32", "--precision", "fp16")
+    res = run(
+        "plan",
+        "--model",
+        "gpt2-medium",
+        "--cluster",
+        "T4:4x4",
+        "--global-batch-size",
+        "32",
+        "--precision",
+        "fp16",
+    )
     assert res.returncode == 0, res.stderr
     assert "MFU" in res.stdout and "Breakdown" in res.stdout
 
 
 def test_predict_flags_and_plan_file(tmp_path):
-    res = run("predict", "--model", "gpt3-1.3b", "--cluster", "A100-80GB:1x8", "--tp", "2",
-              "--pp", "2", "--dp", "2", "--micro-batch-size", "2", "--global-batch-size", "16",
-              "--recompute", "selective", "--json")
+    res = run(
+        "predict",
+        "--model",
+        "gpt3-1.3b",
+        "--cluster",
+        "A100-80GB:1x8",
+        "--tp",
+        "2",
+        "--pp",
+        "2",
+        "--dp",
+        "2",
+        "--micro-batch-size",
+        "2",
+        "--global-batch-size",
+        "16",
+        "--recompute",
+        "selective",
+        "--json",
+    )
     assert res.returncode == 0, res.stderr
     data = json.loads(res.stdout)
     assert data["fits"] and data["degrees"] == {"tp": 2, "pp": 2, "dp": 2, "uniform": True}
     plan = tmp_path / "p.json"
     plan.write_text(json.dumps(data["plan"]))
-    again = run("predict", "--model", "gpt3-1.3b", "--cluster", "A100-80GB:1x8", "--plan",
-                str(plan), "--json")
+    again = run(
+        "predict",
+        "--model",
+        "gpt3-1.3b",
+        "--cluster",
+        "A100-80GB:1x8",
+        "--plan",
+        str(plan),
+        "--json",
+    )
     assert again.returncode == 0, again.stderr
     assert json.loads(again.stdout)["iteration_time_s"] == pytest.approx(data["iteration_time_s"])
 
@@ -60,32 +123,81 @@ def _write(tmp_path, name, text):
     return str(path)
 
 
-@pytest.mark.parametrize(("args", "needle"), [
-    (["plan", "--model", "gpt9", "--cluster", "T4:1x4"], "--model"),
-    (["plan", "--model", "gpt2", "--cluster", "B9000:1x4"], "unknown GPU type"),
-    (["plan", "--model", "gpt2", "--cluster", "{yaml}"], "not valid YAML"),
-    (["plan", "--model", "gpt2", "--cluster", "{noyaml}"], "nodes"),
-    (["predict", "--model", "gpt2", "--cluster", "T4:1x4", "--plan", "{badplan}"],
-     "not valid JSON"),
-    (["predict", "--model", "gpt2", "--cluster", "T4:1x4", "--plan", "{missingdev}"],
-     "not in the cluster"),
-    (["predict", "--model", "gpt2", "--cluster", "T4:1x4", "--tp", "8", "--pp", "1", "--dp",
-      "1", "--micro-batch-size", "1"], "--tp"),
-    (["predict", "--model", "gpt2", "--cluster", "T4:1x4", "--tp", "1", "--pp", "1", "--dp",
-      "3", "--micro-batch-size", "1", "--global-batch-size", "8"], "--dp"),
-    (["plan", "--model", "gpt3-175b", "--cluster", "T4:1x4"], "no plan fits in memory"),
-    (["plan", "--model", "gpt2", "--cluster", "V100-16GB:1x4", "--precision", "bf16"],
-     "bf16"),
-])
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["plan", "--model", "gpt9", "--cluster", "T4:1x4"], "--model"),
+        (["plan", "--model", "gpt2", "--cluster", "B9000:1x4"], "unknown GPU type"),
+        (["plan", "--model", "gpt2", "--cluster", "{yaml}"], "not valid YAML"),
+        (["plan", "--model", "gpt2", "--cluster", "{noyaml}"], "nodes"),
+        (
+            ["predict", "--model", "gpt2", "--cluster", "T4:1x4", "--plan", "{badplan}"],
+            "not valid JSON",
+        ),
+        (
+            ["predict", "--model", "gpt2", "--cluster", "T4:1x4", "--plan", "{missingdev}"],
+            "not in the cluster",
+        ),
+        (
+            [
+                "predict",
+                "--model",
+                "gpt2",
+                "--cluster",
+                "T4:1x4",
+                "--tp",
+                "8",
+                "--pp",
+                "1",
+                "--dp",
+                "1",
+                "--micro-batch-size",
+                "1",
+            ],
+            "--tp",
+        ),
+        (
+            [
+                "predict",
+                "--model",
+                "gpt2",
+                "--cluster",
+                "T4:1x4",
+                "--tp",
+                "1",
+                "--pp",
+                "1",
+                "--dp",
+                "3",
+                "--micro-batch-size",
+                "1",
+                "--global-batch-size",
+                "8",
+            ],
+            "--dp",
+        ),
+        (["plan", "--model", "gpt3-175b", "--cluster", "T4:1x4"], "no plan fits in memory"),
+        (["plan", "--model", "gpt2", "--cluster", "V100-16GB:1x4", "--precision", "bf16"], "bf16"),
+    ],
+)
 def test_bad_input_exits_2_with_one_line(tmp_path, args, needle):
     files = {
         "{yaml}": _write(tmp_path, "bad.yaml", "nodes: [\n  - {gpu: T4"),
         "{noyaml}": _write(tmp_path, "empty.yaml", "gpus: 3\n"),
         "{badplan}": _write(tmp_path, "bad.json", "{oops"),
-        "{missingdev}": _write(tmp_path, "plan.json", json.dumps({
-            "global_batch_size": 4, "micro_batch_size": 1,
-            "pipelines": [{"batch_size": 4, "stages": [
-                {"layers": 12, "devices": ["elsewhere:0"]}]}]})),
+        "{missingdev}": _write(
+            tmp_path,
+            "plan.json",
+            json.dumps(
+                {
+                    "global_batch_size": 4,
+                    "micro_batch_size": 1,
+                    "pipelines": [
+                        {"batch_size": 4, "stages": [{"layers": 12, "devices": ["elsewhere:0"]}]}
+                    ],
+                }
+            ),
+        ),
     }
     args = [files.get(a, a) for a in args]
     res = run(*args)
@@ -101,3 +213,44 @@ def test_out_file_not_written_on_error(tmp_path):
     res = run("plan", "--model", "gpt3-175b", "--cluster", "T4:1x4", "--out", str(out))
     assert res.returncode == 2
     assert not out.exists()
+
+
+CALIBRATION_CSV = """label,layers,hidden,heads,ffn,vocab,seq,gpu,nodes,gpus_per_node,tp,pp,dp,micro_batch,global_batch,iter_time_s
+a,12,768,12,3072,50257,1024,A10,1,4,1,1,4,4,32,1.10
+b,12,768,12,3072,50257,1024,A10,1,4,2,1,2,4,32,1.60
+c,12,768,12,3072,50257,1024,A10,1,4,1,2,2,2,32,1.45
+d,24,1024,16,4096,50257,1024,A10,1,4,1,1,4,2,32,3.10
+"""
+
+
+def test_calibrate_user_runs_and_use_them(tmp_path):
+    runs = tmp_path / "runs.csv"
+    runs.write_text(CALIBRATION_CSV)
+    params = tmp_path / "params.json"
+    res = run("calibrate", "--runs", str(runs), "--out", str(params))
+    assert res.returncode == 0, res.stderr
+    assert "mae_pct" in res.stdout and "leave-one-out" in res.stdout
+    fitted = json.loads(params.read_text())
+    assert "A10" in fitted["gpus"]
+    pred = run(
+        "predict",
+        "--model",
+        "gpt2",
+        "--cluster",
+        "A10:1x4",
+        "--tp",
+        "1",
+        "--pp",
+        "1",
+        "--dp",
+        "4",
+        "--micro-batch-size",
+        "4",
+        "--global-batch-size",
+        "32",
+        "--params",
+        str(params),
+        "--json",
+    )
+    assert pred.returncode == 0, pred.stderr
+    assert json.loads(pred.stdout)["iteration_time_s"] == pytest.approx(1.1, rel=0.3)

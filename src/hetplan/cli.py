@@ -329,8 +329,27 @@ def calibrate(
     if as_json:
         out.print_json(json.dumps(report))
         return
-    for key, value in report.items():
-        out.print(f"{key}: {value}")
+    from rich.table import Table
+
+    table = Table(title=f"{runs.name}: leave-one-out predictions", header_style="bold")
+    for col in ("run", "metric", "predicted", "measured", "error"):
+        table.add_column(col, justify="left" if col in ("run", "metric") else "right")
+    for row in report.get("rows", []):
+        measured = row.get("measured")
+        table.add_row(
+            str(row.get("label", "")),
+            str(row.get("metric", "")),
+            f"{row['predicted']:.3f}" if row.get("predicted") is not None else "-",
+            "OOM" if measured is None else f"{measured:.3f}",
+            "-" if row.get("error_pct") is None else f"{row['error_pct']:+.1f}%",
+        )
+    out.print(table)
+    summary = {k: v for k, v in report.items() if k != "rows"}
+    out.print(
+        ", ".join(
+            f"{k}: {v:.3g}" if isinstance(v, float) else f"{k}: {v}" for k, v in summary.items()
+        )
+    )
     if out_path is not None:
         out.print(f"parameters written to {out_path}")
 
