@@ -215,12 +215,17 @@ def test_out_file_not_written_on_error(tmp_path):
     assert not out.exists()
 
 
-CALIBRATION_CSV = """label,layers,hidden,heads,ffn,vocab,seq,gpu,nodes,gpus_per_node,tp,pp,dp,micro_batch,global_batch,iter_time_s
-a,12,768,12,3072,50257,1024,A10,1,4,1,1,4,4,32,1.10
+CALIBRATION_CSV = (
+    (
+        "label,layers,hidden,heads,ffn,vocab,seq,gpu,nodes,gpus_per_node,tp,pp,dp,"
+        "micro_batch,global_batch,iter_time_s\n"
+    )
+    + """a,12,768,12,3072,50257,1024,A10,1,4,1,1,4,4,32,1.10
 b,12,768,12,3072,50257,1024,A10,1,4,2,1,2,4,32,1.60
 c,12,768,12,3072,50257,1024,A10,1,4,1,2,2,2,32,1.45
 d,24,1024,16,4096,50257,1024,A10,1,4,1,1,4,2,32,3.10
 """
+)
 
 
 def test_calibrate_user_runs_and_use_them(tmp_path):
