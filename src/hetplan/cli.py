@@ -440,6 +440,33 @@ def provision(
         out.print(f"recommended (*): {res.reason}")
 
 
+@app.command()
+def export(
+    plan_path: Annotated[Path, typer.Argument(help="Plan JSON file")],
+    model: ModelOpt,
+    fmt: Annotated[str, typer.Option("--format", help="megatron or deepspeed")] = "megatron",
+    seq_len: SeqOpt = None,
+    out_path: Annotated[Path | None, typer.Option("--out", "-o", help="Write to a file")] = None,
+) -> None:
+    """Export a plan to Megatron-LM arguments or a DeepSpeed configuration."""
+    from hetplan.report.export import deepspeed_config, megatron_args
+
+    spec = load_model(model, seq_len)
+    the_plan = load_plan(plan_path)
+    if fmt == "megatron":
+        text = " \\\n  ".join(megatron_args(the_plan, spec)) + "\n"
+    elif fmt == "deepspeed":
+        text = json.dumps(deepspeed_config(the_plan, spec), indent=2) + "\n"
+    else:
+        raise InputError("--format", f"{fmt!r} is not megatron or deepspeed")
+    if out_path is None:
+        out.print(text, end="", highlight=False, soft_wrap=True)
+        return
+    tmp = out_path.with_name(out_path.name + ".tmp")
+    tmp.write_text(text)
+    tmp.replace(out_path)
+
+
 def _mount_optional() -> None:
     """Adds the runtime and SPMD commands (they need torch, imported only when run)."""
     try:

@@ -1,0 +1,130 @@
+"""Exports a plan to the settings of Megatron-LM and DeepSpeed.
+
+Both frameworks run symmetric plans only (every replica the same stages on the same kind of
+GPU, equal batch shares); an asymmetric plan is refused with the reason, not approximated.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hetplan.errors import InputError
+from hetplan.model import ModelSpec
+from hetplan.plan import Plan
+
+
+def _require_uniform(plan: Plan, target: str) -> tuple[int, int, int]:
+    if not plan.is_uniform():
+        raise InputError(
+            "plan",
+            f"{target} runs only symmetric plans; this one has replicas with different "
+            "stages or batch shares (run it with `hetplan launch`)",
+        )
+    first = plan.pipelines[0]
+    return first.stages[0].tp, len(first.stages), plan.dp
+
+
+def megatron_args(plan: Plan, model: ModelSpec) -> list[str]:
+    """Returns Megatron-LM command-line arguments for the plan and model."""
+    tp, pp, dp = _require_uniform(plan, "Megatron-LM")
+    layers = [s.layers for s in plan.pipelines[0].stages]
+    args = [
+        f"--tensor-model-parallel-size={tp}",
+        f"--pipeline-model-parallel-size={pp}",
+        f"--micro-batch-size={plan.micro_batch_size}",
+        f"--global-batch-size={plan.global_batch_size}",
+        f"--num-layers={model.layers}",
+        f"--hidden-size={model.hidden}",
+        f"--num-attention-heads={model.heads}",
+        f"--ffn-hidden-size={model.ffn}",
+        f"--seq-length={model.seq}",
+        f"--max-position-embeddings={model.seq}",
+        f"--{plan.precision}" if plan.precision != "fp32" else "",
+    ]
+    if model.kv_heads != model.heads:
+        args += ["--group-query-attention", f"--num-query-groups={model.kv_heads}"]
+    if model.family == "llama":
+        args += [
+            "--swiglu",
+            "--normalization=RMSNorm",
+            "--position-embedding-type=rope",
+            "--disable-bias-linear",
+            "--untie-embeddings-and-output-weights",
+        ]
+    if len(set(layers)) > 1:
+        # Megatron-Core places uneven first/last stages with these two flags
+        middle = layers[1:-1]
+        if len(set(middle)) > 1 or pp < 2:
+            raise InputError("plan", f"Megatron-LM cannot place layers {layers} (uneven middle)")
+        args += [
+            f"--decoder-first-pipeline-num-layers={layers[0]}",
+            f"--decoder-last-pipeline-num-layers={layers[-1]}",
+        ]
+    if plan.schedule == "Interleaved1F1B" and plan.virtual_stages > 1:
+        args.append(f"--num-layers-per-virtual-pipeline-stage={layers[0] // plan.virtual_stages}")
+    elif plan.schedule == "GPipe" and pp > 1:
+        raise InputError("schedule", "Megatron-LM has no GPipe schedule (use 1F1B)")
+    if plan.recompute == "full":
+        args += [
+            "--recompute-granularity=full",
+            "--recompute-method=uniform",
+            "--recompute-num-layers=1",
+        ]
+    elif plan.recompute == "selective":
+        args.append("--recompute-granularity=selective")
+    if plan.sequence_parallel:
+        args.append("--sequence-parallel")
+    if plan.zero_stage == 1:
+        args.append("--use-distributed-optimizer")
+    elif plan.zero_stage > 1:
+        raise InputError(
+            "zero_stage",
+            f"Megatron-LM shards only optimizer states (ZeRO-1), "
+            f"not ZeRO-{plan.zero_stage}; export to DeepSpeed instead",
+        )
+    if plan.flash_attention:
+        args.append("--use-flash-attn")
+    if plan.overlap_grad_reduce and dp > 1:
+        args.append("--overlap-grad-reduce")
+    return [a for a in args if a]
+
+
+def deepspeed_config(plan: Plan, model: ModelSpec) -> dict[str, Any]:
+    """Returns a DeepSpeed JSON configuration for the plan (with Megatron-DeepSpeed's
+    parallel sizes under ``hetplan``, as DeepSpeed takes TP/PP from the launcher)."""
+    tp, pp, dp = _require_uniform(plan, "DeepSpeed")
+    if plan.zero_stage >= 2 and pp > 1:
+        raise InputError("zero_stage", "DeepSpeed runs ZeRO-2/3 without pipeline parallelism")
+    if plan.schedule == "Interleaved1F1B":
+        raise InputError("schedule", "DeepSpeed's pipeline engine has no interleaved schedule")
+    per_replica = plan.global_batch_size // dp
+    config: dict[str, Any] = {
+        "train_batch_size": plan.global_batch_size,
+        "train_micro_batch_size_per_gpu": plan.micro_batch_size,
+        "gradient_accumulation_steps": per_replica // plan.micro_batch_size,
+        "zero_optimization": {
+            "stage": plan.zero_stage,
+            "overlap_comm": plan.overlap_grad_reduce,
+            "contiguous_gradients": True,
+        },
+        "activation_checkpointing": {
+            "partition_activations": plan.sequence_parallel,
+            "contiguous_memory_optimization": False,
+            "number_checkpoints": model.layers if plan.recompute != "none" else None,
+        },
+        "gradient_clipping": 1.0,
+        "hetplan": {
+            "tensor_parallel_size": tp,
+            "pipeline_parallel_size": pp,
+            "data_parallel_size": dp,
+            "pipeline_layers_per_stage": [s.layers for s in plan.pipelines[0].stages],
+            "recompute": plan.recompute,
+        },
+    }
+    if plan.precision == "fp16":
+        config["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": 16}
+    elif plan.precision == "bf16":
+        config["bf16"] = {"enabled": True}
+    if plan.recompute == "none":
+        del config["activation_checkpointing"]
+    return config

@@ -1,0 +1,70 @@
+import pytest
+
+from hetplan.cluster import parse_inline_cluster
+from hetplan.errors import InputError
+from hetplan.model import load_model
+from hetplan.plan import Pipeline, Plan, Stage
+from hetplan.report.export import deepspeed_config, megatron_args
+from hetplan.search.layout import uniform_plan
+
+
+def test_megatron_arguments_follow_the_plan():
+    model = load_model("llama2-13b")
+    cl = parse_inline_cluster("A100-80GB:4x8")
+    plan = uniform_plan(
+        cl,
+        model.layers,
+        4,
+        2,
+        4,
+        1,
+        256,
+        precision="bf16",
+        schedule="Interleaved1F1B",
+        virtual_stages=2,
+        sequence_parallel=True,
+        recompute="full",
+        zero_stage=1,
+    )
+    args = megatron_args(plan, model)
+    for expected in (
+        "--tensor-model-parallel-size=4",
+        "--pipeline-model-parallel-size=2",
+        "--micro-batch-size=1",
+        "--global-batch-size=256",
+        "--bf16",
+        "--swiglu",
+        "--num-layers-per-virtual-pipeline-stage=10",
+        "--sequence-parallel",
+        "--recompute-granularity=full",
+        "--use-distributed-optimizer",
+    ):
+        assert expected in args
+    assert "--group-query-attention" not in args  # Llama-2 13B has as many kv heads as heads
+
+
+def test_deepspeed_config_accumulates_the_rest_of_the_batch():
+    model = load_model("gpt3-1.3b")
+    cl = parse_inline_cluster("V100-32GB:1x8")
+    plan = uniform_plan(cl, model.layers, 1, 1, 8, 2, 64, precision="fp16", zero_stage=2)
+    cfg = deepspeed_config(plan, model)
+    assert cfg["train_batch_size"] == 64
+    assert cfg["train_micro_batch_size_per_gpu"] * cfg["gradient_accumulation_steps"] * 8 == 64
+    assert cfg["zero_optimization"]["stage"] == 2 and cfg["fp16"]["enabled"]
+
+
+def test_asymmetric_plans_are_refused():
+    model = load_model("gpt2-medium")
+    plan = Plan(
+        global_batch_size=16,
+        micro_batch_size=1,
+        precision="fp16",
+        pipelines=(
+            Pipeline(12, (Stage(24, ("a:0",)),)),
+            Pipeline(4, (Stage(10, ("b:0",)), Stage(14, ("b:1",)))),
+        ),
+    )
+    with pytest.raises(InputError, match="symmetric"):
+        megatron_args(plan, model)
+    with pytest.raises(InputError, match="symmetric"):
+        deepspeed_config(plan, model)
