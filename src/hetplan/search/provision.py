@@ -138,20 +138,38 @@ class ProvisionResult:
     """Mix candidates the bounds could not rule out but the plan cap left unexplored."""
 
 
-def _single_type(
-    model: ModelSpec,
-    offer: Offer,
-    tokens: float,
-    global_batch: int,
-    precision: str,
-    spot: bool,
-    params: CostParams,
-    terms: SpotTerms,
-    prune: bool,
-    points: list[Point],
-    flash: bool,
-) -> tuple[int, int]:
+@dataclass(frozen=True)
+class _Job:
+    """What every step of one provisioning search shares."""
+
+    model: ModelSpec
+    tokens: float
+    global_batch: int
+    precision: str
+    spot: bool
+    params: CostParams
+    terms: SpotTerms
+    prune: bool
+    flash: bool
+
+    def unpack(self) -> tuple[ModelSpec, float, int, str, bool, CostParams, SpotTerms, bool, bool]:
+        """Returns the fields in declaration order."""
+        return (
+            self.model,
+            self.tokens,
+            self.global_batch,
+            self.precision,
+            self.spot,
+            self.params,
+            self.terms,
+            self.prune,
+            self.flash,
+        )
+
+
+def _single_type(job: _Job, offer: Offer, points: list[Point]) -> tuple[int, int]:
     """Adds the points of every node count of one offer; returns (planned, pruned)."""
+    model, tokens, global_batch, precision, spot, params, terms, prune, flash = job.unpack()
     planned = pruned = 0
     memo = SearchMemo()
     peak = offer.gpu.peak_flops(precision) * _efficiency(model, offer, precision, params, flash)
@@ -213,18 +231,7 @@ def _dominated_mask(t_lb: np.ndarray, c_lb: np.ndarray, points: list[Point]) -> 
 
 
 def _mixes(
-    model: ModelSpec,
-    offers: list[Offer],
-    tokens: float,
-    global_batch: int,
-    precision: str,
-    spot: bool,
-    params: CostParams,
-    terms: SpotTerms,
-    prune: bool,
-    points: list[Point],
-    flash: bool,
-    max_plans: int,
+    job: _Job, offers: list[Offer], points: list[Point], max_plans: int
 ) -> tuple[int, int, int]:
     """Adds two-type mixes that bounds cannot rule out; returns (planned, pruned, skipped).
 
@@ -234,6 +241,8 @@ def _mixes(
     far just before planning; past ``max_plans`` the rest are counted as skipped.
     """
     from hetplan.search.heterogeneous import search_heterogeneous
+
+    model, tokens, global_batch, precision, spot, params, terms, prune, flash = job.unpack()
 
     flops = _flops_to_train(model, tokens)
     rate = {
@@ -327,19 +336,11 @@ def _mixes(
     return planned, pruned, skipped
 
 
-def _materialise(
-    p: Point,
-    model: ModelSpec,
-    global_batch: int,
-    precision: str,
-    tokens: float,
-    params: CostParams,
-    slow: float,
-    flash: bool,
-) -> None:
+def _materialise(p: Point, job: _Job, slow: float) -> None:
     """Builds the plan of a point and replaces its closed-form time by estimate()'s."""
     if p.plan is not None or p.cluster is None or p.candidate is None:
         return
+    model, tokens, global_batch, precision, _, params, _, _, flash = job.unpack()
     p.plan = candidate_plan(model, p.cluster, p.candidate, global_batch, precision, flash)
     p.estimate = estimate(p.plan, model, p.cluster, params, validate=False)
     p.time_to_train_s = tokens / p.estimate.tokens_per_s * slow
@@ -443,38 +444,14 @@ def provision(
             )
         )
     )
+    job = _Job(model, tokens, global_batch, precision, spot, params, terms, prune, flash_attention)
     for offer in offers:
-        a, b = _single_type(
-            model,
-            offer,
-            tokens,
-            global_batch,
-            precision,
-            spot,
-            params,
-            terms,
-            prune,
-            points,
-            flash_attention,
-        )
+        a, b = _single_type(job, offer, points)
         planned += a
         pruned += b
     skipped = 0
     if mixes:
-        a, b, skipped = _mixes(
-            model,
-            offers,
-            tokens,
-            global_batch,
-            precision,
-            spot,
-            params,
-            terms,
-            prune,
-            points,
-            flash_attention,
-            max_mix_plans,
-        )
+        a, b, skipped = _mixes(job, offers, points, max_mix_plans)
         planned += a
         pruned += b
     offer_of = {o.gpu.name: o for o in offers}
@@ -489,7 +466,7 @@ def provision(
             offer = offer_of[name]
             nodes = count // offer.gpus_per_node
             slow = spot_slowdown(offer, nodes, terms) if spot else 1.0
-            _materialise(p, model, global_batch, precision, tokens, params, slow, flash_attention)
+            _materialise(p, job, slow)
     best, why = recommend(front, objective, constraints)
     return ProvisionResult(
         points, front, planned, pruned, time.process_time() - start, best, why, skipped
