@@ -1,0 +1,107 @@
+"""``hetplan spmd plan`` and ``hetplan spmd run`` (mounted by the main CLI)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import typer
+from rich.console import Console
+
+from hetplan.cluster import load_cluster
+from hetplan.errors import InputError
+from hetplan.spmd.capture import capture
+from hetplan.spmd.costmodel import devices_from_cluster
+from hetplan.spmd.execute import load_factory
+from hetplan.spmd.synth import Synthesis, synthesize
+
+app = typer.Typer(help="Synthesise SPMD programs for any PyTorch model (HAP-style).")
+
+
+def _parse_kwargs(text: str | None) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for part in filter(None, (text or "").split(",")):
+        key, _, value = part.partition("=")
+        if not value.strip().isdigit():
+            raise InputError("--inputs", f"{part!r} is not NAME=INT (e.g. batch=16,seq=128)")
+        out[key.strip()] = int(value)
+    return out
+
+
+def plan_module(
+    module: str, cluster: str, inputs: str | None = None, precision: str = "fp16"
+) -> Synthesis:
+    """Returns the synthesis for a factory 'pkg.mod:fn' on a cluster spec."""
+    factory = load_factory(module)
+    mod, example = factory(**_parse_kwargs(inputs))
+    cap = capture(mod, example, meta=True)
+    devs = devices_from_cluster(load_cluster(cluster), precision)
+    return synthesize(cap, devs)
+
+
+@app.command()
+def plan(
+    module: str = typer.Option(..., "--module", help="pkg.mod:factory"),
+    cluster: str = typer.Option(..., "--cluster"),
+    inputs: str | None = typer.Option(
+        None, "--inputs", help="factory arguments, e.g. batch=16,seq=128"
+    ),
+    precision: str = typer.Option("fp16", "--precision"),
+    as_json: bool = typer.Option(False, "--json"),
+) -> None:
+    """Synthesise a program and print it with ratios and DP-EV / DP-CP baselines."""
+    result = plan_module(module, cluster, inputs, precision)
+    if as_json:
+        print(json.dumps(result.to_dict()))
+        return
+    con = Console()
+    for line in result.program.lines():
+        con.print(line, markup=False, highlight=False)
+    ratios = ", ".join(
+        f"{d}={r:.4f}" for d, r in zip(result.program.devices, result.program.ratios, strict=True)
+    )
+    con.print(f"ratios: {ratios}", markup=False)
+    r = result
+    ev, cp = r.dp_ev_time_s / r.predicted_time_s, r.dp_cp_time_s / r.predicted_time_s
+    con.print(
+        f"predicted step time: {r.predicted_time_s * 1e3:.3f} ms  "
+        f"(DP-EV {r.dp_ev_time_s * 1e3:.3f} ms, x{ev:.2f}; "
+        f"DP-CP {r.dp_cp_time_s * 1e3:.3f} ms, x{cp:.2f})",
+        markup=False,
+    )
+    con.print(f"synthesis time: {result.synthesis_time_s:.2f} s")
+
+
+@app.command()
+def run(
+    module: str = typer.Option(..., "--module"),
+    cluster: str = typer.Option(..., "--cluster"),
+    inputs: str | None = typer.Option(None, "--inputs"),
+    nproc: int = typer.Option(0, "--nproc", help="ranks (default: cluster devices)"),
+    steps: int = typer.Option(5, "--steps"),
+    threads: str = typer.Option("", "--threads", help="CPU threads per rank, e.g. 2,1"),
+) -> None:
+    """Train with the synthesised program under torchrun (gloo on CPU, NCCL on CUDA)."""
+    n = nproc or load_cluster(cluster).num_gpus
+    torchrun = shutil.which("torchrun") or os.path.join(os.path.dirname(sys.executable), "torchrun")
+    cmd = [
+        torchrun,
+        f"--nproc-per-node={n}",
+        "--master-addr=127.0.0.1",
+        "-m",
+        "hetplan.spmd.launch",
+        "--module",
+        module,
+        "--cluster",
+        cluster,
+        "--steps",
+        str(steps),
+    ]
+    if inputs:
+        cmd += ["--inputs", inputs]
+    if threads:
+        cmd += ["--threads", threads]
+    raise typer.Exit(subprocess.call(cmd))

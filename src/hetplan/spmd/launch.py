@@ -1,0 +1,61 @@
+"""Per-rank entry point run by torchrun: synthesise on rank 0, broadcast, train."""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+import torch.distributed as dist
+
+from hetplan.cluster import load_cluster
+from hetplan.spmd.capture import capture
+from hetplan.spmd.cli import _parse_kwargs
+from hetplan.spmd.codegen import build_rank_module, shard_inputs
+from hetplan.spmd.costmodel import devices_from_cluster
+from hetplan.spmd.execute import env_rank, load_factory, train_step
+from hetplan.spmd.synth import synthesize
+
+
+def main() -> None:
+    """Runs ``--steps`` SGD steps of the synthesised program on this rank."""
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--module", required=True)
+    ap.add_argument("--cluster", required=True)
+    ap.add_argument("--inputs", default="")
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--threads", default="")
+    args = ap.parse_args()
+    rank, world = env_rank()
+    if args.threads:
+        torch.set_num_threads(int(args.threads.split(",")[rank % len(args.threads.split(","))]))
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    dist.init_process_group(backend)
+    torch.manual_seed(0)
+    module, inputs = load_factory(args.module)(**_parse_kwargs(args.inputs))
+    cap = capture(module, inputs)
+    box = [None]
+    if rank == 0:
+        cluster = load_cluster(args.cluster)
+        devs = devices_from_cluster(cluster, devices=list(cluster.devices())[:world])
+        box = [synthesize(cap, devs).program]  # type: ignore[list-item]
+    dist.broadcast_object_list(box, src=0)
+    program = box[0]
+    assert program is not None
+    mod = build_rank_module(cap, program, rank)
+    local = shard_inputs(mod, cap, inputs, program.ratios)
+    opt = torch.optim.SGD(mod.parameters(), lr=0.01)
+    for step in range(args.steps):
+        start = time.perf_counter()
+        loss = train_step(mod, local)
+        opt.step()
+        opt.zero_grad()
+        if rank == 0:
+            print(
+                f"step {step} loss {loss:.6f} time {time.perf_counter() - start:.4f} s", flush=True
+            )
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
