@@ -11,7 +11,7 @@ from hetplan.cost.estimate import estimate
 from hetplan.model import ModelSpec, load_model
 from hetplan.plan import validate_plan
 from hetplan.report.explain import explain, explain_table
-from hetplan.search.heterogeneous import search_heterogeneous
+from hetplan.search.heterogeneous import search_heterogeneous, search_with
 from hetplan.search.homogeneous import search_homogeneous
 
 TINY = ModelSpec("tiny", "gpt", 8, 512, 8, 8, 2048, 8192, 512)
@@ -32,7 +32,7 @@ def _check_ranked(result, model, cluster):
 def test_mixed_cluster_beats_both_baselines():
     model = load_model("gpt3-350m")
     cluster = parse_inline_cluster("A100-80GB:1x4,V100-32GB:1x4")
-    res = search_heterogeneous(model, cluster, 32, "fp16")
+    res = search_heterogeneous(model, cluster, 128, "fp16")
     _check_ranked(res, model, cluster)
     best = res.ranked[0][1].iteration_time_s
     single, uniform = res.baselines["single_type"], res.baselines["uniform"]
@@ -96,3 +96,47 @@ def test_every_returned_plan_validates_and_fits(types, sizes, batch):
     cluster = parse_inline_cluster(spec)
     res = search_heterogeneous(TINY, cluster, batch, "fp16")
     _check_ranked(res, TINY, cluster)
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    st.lists(st.sampled_from(GPUS), min_size=2, max_size=3, unique=True),
+    st.lists(st.sampled_from(["1x1", "1x2", "1x4", "2x2"]), min_size=3, max_size=3),
+    st.sampled_from([8, 32, 64]),
+)
+def test_pruning_loses_nothing(types, sizes, batch):
+    spec = ",".join(f"{t}:{n}" for t, n in zip(types, sizes, strict=False))
+    cluster = parse_inline_cluster(spec)
+    pruned = search_with(TINY, cluster, batch, "fp16")
+    full = search_with(TINY, cluster, batch, "fp16", prune=False)
+    assert pruned.ranked[0][1].iteration_time_s <= full.ranked[0][1].iteration_time_s * (1 + 1e-9)
+
+
+@pytest.mark.parametrize(
+    ("name", "spec", "batch"),
+    [
+        ("gpt3-350m", "A100-80GB:1x4,V100-32GB:1x4", 128),
+        ("gpt3-1.3b", "A100-80GB:1x4,V100-32GB:1x4,T4:1x4", 64),
+    ],
+)
+def test_plan_bound_is_below_its_estimate(monkeypatch, name, spec, batch):
+    """The premise of every pruning rule: the replay bound of a plan <= its estimate."""
+    import hetplan.search.heterogeneous as het
+
+    last, pairs = {}, []
+    bound, score = het._State._bound_s, het.estimate
+
+    def recording_bound(*args):
+        last["s"] = bound(*args)
+        return last["s"]
+
+    def recording_estimate(plan, *args, **kwargs):
+        est = score(plan, *args, **kwargs)
+        pairs.append((last["s"], est.iteration_time_s))
+        return est
+
+    monkeypatch.setattr(het._State, "_bound_s", staticmethod(recording_bound))
+    monkeypatch.setattr(het, "estimate", recording_estimate)
+    search_with(load_model(name), parse_inline_cluster(spec), batch, "fp16", prune=False)
+    assert len(pairs) >= 4
+    assert all(low <= est * (1 + 1e-9) for low, est in pairs)

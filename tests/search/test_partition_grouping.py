@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from hetplan.cluster import parse_inline_cluster
-from hetplan.search.grouping import device_classes, select_pipelines
+from hetplan.search.grouping import MilpMemo, device_classes, select_pipelines
+from hetplan.search.het_variants import pareto_rows
 from hetplan.search.partition import split_batch, split_time_s
 
 
@@ -53,6 +54,61 @@ def test_select_pipelines_matches_brute_force(seed):
     assert sum(got.micro_batches) == total and min(got.micro_batches) >= 1
     assert bounds[0] <= len(got.variants) <= bounds[1]
     assert got.time_s <= want * (1 + 2e-4)
+
+
+def _instance(seed):
+    rng = np.random.default_rng(seed)
+    k = int(rng.integers(1, 4))
+    v = int(rng.integers(1, 9))
+    counts = rng.integers(0, 3, (v, k))
+    counts[counts.sum(axis=1) == 0, 0] = 1
+    fill = rng.uniform(1.0, 10.0, v)
+    bott = rng.uniform(0.1, 2.0, v)
+    avail = rng.integers(1, 5, k)
+    total = int(rng.integers(1, 12))
+    return counts, fill, bott, avail, total, (1, int(rng.integers(1, 6)))
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_cutoff_prunes_exactly(seed):
+    counts, fill, bott, avail, total, bounds = _instance(seed)
+    want = _brute(counts, fill, bott, avail, total, bounds)
+    if want is None:
+        return
+    assert select_pipelines(counts, fill, bott, avail, total, bounds, cutoff_s=want * 0.999) is None
+    got = select_pipelines(counts, fill, bott, avail, total, bounds, cutoff_s=want * 1.01)
+    assert got is not None and want <= got.time_s <= want * (1 + 2e-4)
+
+
+def test_memo_answers_repeated_instances_without_solving():
+    solved = 0
+    for seed in range(20):
+        counts, fill, bott, avail, total, _ = _instance(seed)
+        memo = MilpMemo()
+        first = select_pipelines(counts, fill, bott, avail, total, (1, 5), memo=memo)
+        solves = memo.solves
+        again = select_pipelines(counts, fill, bott, avail, total, (1, 5), memo=memo)
+        assert memo.solves == solves and memo.hits >= solves
+        assert again == first
+        solved += solves > 0
+    assert solved >= 10
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_pareto_rows_match_pairwise_dominance(seed):
+    rng = np.random.default_rng(seed)
+    n, k = int(rng.integers(2, 300)), int(rng.integers(1, 4))
+    c = rng.integers(0, 4, (n, k))
+    f = rng.integers(1, 20, n).astype(float)  # small integers: many ties and duplicates
+    b = rng.integers(1, 10, n).astype(float)
+    kept = set(pareto_rows(c, f, b).tolist())
+    for v in range(n):
+        beaten = any(
+            np.all(c[u] <= c[v]) and f[u] <= f[v] and b[u] <= b[v]
+            and (np.any(c[u] < c[v]) or f[u] < f[v] or b[u] < b[v] or u < v)
+            for u in range(n) if u != v
+        )  # fmt: skip
+        assert (v in kept) == (not beaten)
 
 
 def test_device_classes_split_by_links_and_groups_stay_in_nodes():

@@ -11,7 +11,7 @@ step is an integer program (HiGHS) maximising the micro-batches processable with
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 from numpy.typing import NDArray
@@ -74,42 +74,78 @@ class Selection:
     time_s: float
 
 
-def _max_units(
+@dataclass
+class MilpMemo:
+    """Answers of pipeline-selection MILPs keyed by their reduced instance, and counters."""
+
+    answers: dict[bytes, NDArray[np.int64] | None] = field(default_factory=dict)
+    solves: int = 0
+    hits: int = 0
+
+
+def _columns(
     counts: NDArray[np.int64],
+    gid: NDArray[np.int64],
+    cap: NDArray[np.int64],
+    score: NDArray[np.float64],
+) -> NDArray[np.int64]:
+    """Returns the variants that need a column at one Z: per count vector (``gid`` numbers
+    them) the largest capacity, then the least ``score``, less those another column
+    matches with fewer groups of every class.
+
+    Exact: a pipeline of a dropped variant can be swapped for one of a kept variant that
+    uses no more groups of any class and runs at least as many micro-batches within Z.
+    """
+    use = np.flatnonzero(cap > 0)
+    if use.size <= 1:
+        return use
+    order = use[np.lexsort((score[use], -cap[use], gid[use]))]
+    g = gid[order]
+    cols = order[np.concatenate([[True], g[1:] != g[:-1]])]
+    if cols.size > 1:
+        c, q = counts[cols], cap[cols]
+        fewer = np.all(c[:, None, :] <= c[None, :, :], axis=2)
+        np.fill_diagonal(fewer, False)  # count vectors are distinct: off-diagonal is strict
+        cols = cols[~np.any(fewer & (q[:, None] >= q[None, :]), axis=0)]
+    return cols
+
+
+def _max_units(
+    a: NDArray[np.float64],
     cap: NDArray[np.int64],
     avail: NDArray[np.int64],
     num_pipelines: tuple[int, int],
     need: int,
-) -> tuple[float, NDArray[np.int64]] | None:
-    """Returns pipelines per variant that run ``need`` micro-batches (each pipeline at most
-    ``cap``) within the groups and pipeline bounds, with their capacity; None if none do."""
-    use = np.flatnonzero(cap > 0)
-    if use.size == 0 or int(cap[use].max()) * num_pipelines[1] < need:
+) -> NDArray[np.int64] | None:
+    """Returns pipelines per column (``a[k, v]`` groups of class k) that run ``need``
+    micro-batches (each pipeline at most ``cap``) within the groups and pipeline bounds."""
+    n = cap.size
+    if n == 0 or int(cap.max()) * num_pipelines[1] < need:
         return None
-    a = counts[use].T.astype(float)
     upper = np.min(np.where(a > 0, avail[:, None] // np.maximum(a, 1), np.inf), axis=0)
     upper = np.minimum(upper, num_pipelines[1])
     cons = [
         LinearConstraint(a, -np.inf, avail.astype(float)),
-        LinearConstraint(np.ones((1, use.size)), num_pipelines[0], num_pipelines[1]),
-        LinearConstraint(cap[use][None, :].astype(float), need, np.inf),
+        LinearConstraint(np.ones((1, n)), num_pipelines[0], num_pipelines[1]),
+        LinearConstraint(cap[None, :].astype(float), need, np.inf),
     ]
     # a feasibility problem; fewest pipelines as the objective keeps the search short
     res = milp(
-        np.ones(use.size),
+        np.ones(n),
         constraints=cons,
-        integrality=np.ones(use.size),
+        integrality=np.ones(n),
         bounds=Bounds(0, upper),
         options={"mip_rel_gap": 1.0},
     )
     if res.x is None:
         return None
-    x = np.zeros(len(cap), dtype=np.int64)
-    x[use] = np.round(res.x).astype(np.int64)
-    return float(cap @ x), x
+    x: NDArray[np.int64] = np.round(res.x).astype(np.int64)
+    return x
 
 
-def _caps(fill: NDArray[np.float64], bott: NDArray[np.float64], z: float, total: int):
+def _caps(
+    fill: NDArray[np.float64], bott: NDArray[np.float64], z: float, total: int
+) -> NDArray[np.int64]:
     room = np.floor((z - fill) / bott * (1 + 1e-12) + 1e-9) + 1
     return np.clip(room, 0, total).astype(np.int64)
 
@@ -126,6 +162,9 @@ def _realise(
     return Selection(tuple(variants), tuple(counts), split_time_s(f, b, counts))
 
 
+Rows = tuple[NDArray[np.int64], NDArray[np.float64], NDArray[np.float64]]
+
+
 def select_pipelines(
     counts: NDArray[np.int64],
     fill_s: NDArray[np.float64],
@@ -134,37 +173,89 @@ def select_pipelines(
     total_micro: int,
     num_pipelines: tuple[int, int],
     rel_tol: float = 1e-4,
+    cutoff_s: float = math.inf,
+    memo: MilpMemo | None = None,
+    bound: Rows | None = None,
+    slack_s: float = math.inf,
 ) -> Selection | None:
     """Returns the pipelines minimising the slowest ``fill + (m-1) * bottleneck``.
 
     ``counts[v, k]``: groups of class k variant v uses; ``avail[k]``: groups of class k;
-    ``num_pipelines``: (fewest, most) pipelines. Exact up to ``rel_tol`` in time.
+    ``num_pipelines``: (fewest, most) pipelines. Exact up to ``rel_tol`` in time. None
+    when nothing fits, or when no selection of ``bound`` rows (counts, fill, bottleneck
+    whose ``fill + (m-1) * bottleneck`` bound a pipeline's true time from below; default
+    the variants) is faster than ``cutoff_s``: then nothing built here can be. If some
+    is, the best time is at most ``cutoff_s + slack_s``, where the bisection starts.
     """
     fill = np.asarray(fill_s, dtype=float)
     bott = np.asarray(bottleneck_s, dtype=float)
+    cnt = np.asarray(counts, dtype=np.int64)
+    avl = np.asarray(avail, dtype=np.int64)
     lo_n, hi_n = num_pipelines[0], min(num_pipelines[1], total_micro)
     if len(fill) == 0 or lo_n > hi_n:
         return None
-    bounds = (lo_n, hi_n)
-    hi = float(np.max(fill + (total_micro - lo_n) * bott))
-    found = _max_units(counts, _caps(fill, bott, hi, total_micro), avail, bounds, total_micro)
-    if found is None or found[0] < total_micro:
-        return None
-    best = _realise(found[1], fill, bott, total_micro)
+    bc, bf, bb = bound if bound is not None else (cnt, fill, bott)
+    bc = np.asarray(bc, dtype=np.int64)
+    if hi_n == 1:  # one pipeline: the best variant that fits, running every micro-batch
+        fits = np.all(bc <= avl[None, :], axis=1)
+        if not np.any(fits) or float(np.min((bf + (total_micro - 1) * bb)[fits])) >= cutoff_s:
+            return None
+        ok = np.flatnonzero(np.all(cnt <= avl[None, :], axis=1))
+        if ok.size == 0:
+            return None
+        t = fill[ok] + (total_micro - 1) * bott[ok]
+        v = int(ok[np.argmin(t)])
+        return Selection((v,), (total_micro,), float(t.min()))
+    memo = memo if memo is not None else MilpMemo()
+    tail = np.array([lo_n, hi_n, total_micro, *avl], dtype=np.int64).tobytes()
+
+    def feasible(rows: Rows, gid: NDArray[np.int64], z: float) -> NDArray[np.int64] | None:
+        c, f, b = rows
+        cap = _caps(f, b, z, total_micro)
+        cols = _columns(c, gid, cap, f + (cap - 1) * b)
+        key = b"".join((c[cols].tobytes(), cap[cols].tobytes(), tail))
+        if key in memo.answers:
+            memo.hits += 1
+            x = memo.answers[key]
+        else:
+            memo.solves += 1
+            x = _max_units(c[cols].T.astype(float), cap[cols], avl, (lo_n, hi_n), total_micro)
+            memo.answers[key] = x
+        if x is None:
+            return None
+        full = np.zeros(len(f), dtype=np.int64)
+        full[cols] = x
+        return full
+
+    def groups(c: NDArray[np.int64]) -> NDArray[np.int64]:
+        out: NDArray[np.int64] = np.unique(c, axis=0, return_inverse=True)[1].reshape(-1)
+        return out
+
+    if math.isfinite(cutoff_s):  # one MILP: can any selection's bound beat the cutoff?
+        floor = np.min(bf + (math.ceil(total_micro / hi_n) - 1) * bb) * (1 - 1e-9)
+        if floor >= cutoff_s or feasible((bc, bf, bb), groups(bc), cutoff_s * (1 - 1e-12)) is None:
+            return None
+    rows, gid = (cnt, fill, bott), groups(cnt)
+
+    def probe(z: float) -> Selection | None:
+        x = feasible(rows, gid, z)
+        return None if x is None else _realise(x, fill, bott, total_micro)
+
+    # every selection fits under ``top``; none under ``lo`` (a pipeline runs >= total/hi_n)
+    top = float(np.max(fill + (total_micro - lo_n) * bott))
+    lo = float(np.min(fill + (math.ceil(total_micro / hi_n) - 1) * bott)) * (1 - 1e-9)
+    best = probe(cutoff_s + slack_s) if cutoff_s + slack_s < top else None
+    best = best or probe(top)
     if best is None:
         return None
     hi = best.time_s
-    lo = float(np.min(fill + (math.ceil(total_micro / hi_n) - 1) * bott)) * (1 - 1e-9)
     while hi - lo > rel_tol * hi:
         z = 0.5 * (lo + hi)
-        found = _max_units(counts, _caps(fill, bott, z, total_micro), avail, bounds, total_micro)
-        if found is None or found[0] < total_micro:
+        sel = probe(z)
+        if sel is None:
             lo = z
             continue
-        sel = _realise(found[1], fill, bott, total_micro)
-        if sel is None or sel.time_s >= best.time_s:
-            hi = z
-            continue
-        best = sel
+        if sel.time_s < best.time_s:
+            best = sel
         hi = min(z, sel.time_s)
     return best

@@ -119,33 +119,71 @@ class Template:
     """Send latency added to the fill (forward and backward crossings)."""
 
 
+class StageArrays:
+    """Per-class arrays of a list of tables, to build stage arrays without Python loops."""
+
+    def __init__(self, tables: list[ClassTable]) -> None:
+        self.tables = tables
+        self.layer_s = np.array([t.layer_s for t in tables])
+        self.embedding_s = np.array([t.embedding_s for t in tables])
+        self.head_s = np.array([t.head_s for t in tables])
+        self.intra_s = np.array([t.send_intra_s for t in tables])
+        self.inter_s = np.array([t.send_inter_s for t in tables])
+        self.pair_in_node = np.array([t.cls.gpus_per_node >= 2 * t.tp for t in tables])
+        self._caps: dict[int, np.ndarray] = {}
+
+    def caps(self, p: int) -> np.ndarray:
+        """Returns the most layers each class holds at each position of ``p`` stages."""
+        if p not in self._caps:
+            rows = [[t.max_layers(j, p) for j in range(p)] for t in self.tables]
+            self._caps[p] = np.array(rows, dtype=np.int64).reshape(len(self.tables), p)
+        return self._caps[p]
+
+    def of(self, seq: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray, np.ndarray, float]:
+        """Returns per-stage (time per layer, fixed time, max layers) and the send total."""
+        p = len(seq)
+        k = np.asarray(seq, dtype=np.int64)
+        tau = self.layer_s[k]
+        fixed = np.zeros(p)
+        fixed[0] += self.embedding_s[k[0]]
+        fixed[-1] += self.head_s[k[-1]]
+        caps = self.caps(p)[k, np.arange(p)]
+        a, b = k[:-1], k[1:]
+        same = (a == b) & self.pair_in_node[a]
+        hop = np.where(same, self.intra_s[a], np.maximum(self.inter_s[a], self.inter_s[b]))
+        return tau, fixed, caps, 2.0 * float(hop.sum())
+
+
 def stage_arrays(
     tables: list[ClassTable], seq: tuple[int, ...]
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, float]:
     """Returns per-stage (time per layer, fixed time, max layers) and the send total."""
-    p = len(seq)
-    tau = np.array([tables[k].layer_s for k in seq])
-    fixed = np.zeros(p)
-    fixed[0] += tables[seq[0]].embedding_s
-    fixed[-1] += tables[seq[-1]].head_s
-    caps = np.array([tables[k].max_layers(j, p) for j, k in enumerate(seq)], dtype=np.int64)
-    sends = 0.0
-    for j in range(p - 1):
-        a, b = seq[j], seq[j + 1]
-        same = a == b and tables[a].cls.gpus_per_node >= 2 * tables[a].tp
-        s = tables[a].send_intra_s if same else max(tables[a].send_inter_s, tables[b].send_inter_s)
-        sends += 2 * s
-    return tau, fixed, caps, sends
+    return StageArrays(tables).of(seq)
 
 
-def make_template(tables: list[ClassTable], seq: tuple[int, ...], layers: int) -> Template | None:
-    """Returns the template of a stage sequence, or None if the layers cannot fit."""
-    tau, fixed, caps, sends = stage_arrays(tables, seq)
-    frontier = uniform_frontier(tau, fixed, caps, layers)
+FrontierCache = dict[bytes, tuple[Partition, ...]]
+
+
+def make_template(
+    tables: list[ClassTable] | StageArrays,
+    seq: tuple[int, ...],
+    layers: int,
+    cache: FrontierCache | None = None,
+) -> Template | None:
+    """Returns the template of a stage sequence, or None if the layers cannot fit; equal
+    stage arrays share one frontier through ``cache``."""
+    arrays = tables if isinstance(tables, StageArrays) else StageArrays(tables)
+    tau, fixed, caps, sends = arrays.of(seq)
+    key = b"".join((tau.tobytes(), fixed.tobytes(), caps.tobytes(), layers.to_bytes(4, "little")))
+    frontier = cache.get(key) if cache is not None else None
+    if frontier is None:
+        frontier = tuple(uniform_frontier(tau, fixed, caps, layers))
+        if cache is not None:
+            cache[key] = frontier
     if not frontier:
         return None
-    counts = tuple(seq.count(k) for k in range(len(tables)))
-    return Template(seq, counts, tuple(frontier), sends)
+    counts = tuple(seq.count(k) for k in range(len(arrays.tables)))
+    return Template(seq, counts, frontier, sends)
 
 
 def class_orders(tables: list[ClassTable]) -> list[tuple[int, ...]]:

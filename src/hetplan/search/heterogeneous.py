@@ -5,7 +5,11 @@ visited in order of a throughput lower bound: build pipeline templates (stage se
 of classes) and their exact layer splits (partition.py), choose how many pipelines of
 each template and their batch shares with the MILP (grouping.py) per band of
 data-parallel degrees, map stages to devices two ways, and score every result with the
-one cost model. Bands or knobs whose modelled time cannot beat the best plan are pruned.
+one cost model. The modelled time (fill + (m-1) * bottleneck, no gradient sync or
+optimizer) is a lower bound of ``estimate``'s, so a setting or band is skipped exactly
+when its bound cannot beat the best plan so far: knobs by aggregate throughput, the
+single-replica band by the ZeRO-1 tables (same times, more room), every other band by
+one MILP at the incumbent's time. ``search_with(prune=False)`` turns the bounds off.
 """
 
 from __future__ import annotations
@@ -14,7 +18,6 @@ import itertools
 import math
 import time
 from dataclasses import dataclass, field, replace
-from typing import Any
 
 import numpy as np
 
@@ -24,25 +27,28 @@ from hetplan.cost.memory import stage_params, state_bytes
 from hetplan.cost.params import CostParams, default_params
 from hetplan.errors import InputError
 from hetplan.model import ModelSpec
-from hetplan.plan import Pipeline, Plan, Stage
-from hetplan.search.grouping import DeviceClass, Selection, device_classes, select_pipelines
+from hetplan.plan import Plan
+from hetplan.search.grouping import (
+    DeviceClass,
+    MilpMemo,
+    Selection,
+    device_classes,
+    select_pipelines,
+)
 from hetplan.search.het_baselines import best_single_type, best_uniform
-from hetplan.search.het_tables import (
-    ClassTable,
-    Knobs,
-    Template,
-    class_orders,
-    class_table,
-    compositions,
-    make_template,
+from hetplan.search.het_tables import ClassTable, FrontierCache, Knobs, Template, class_table
+from hetplan.search.het_variants import (
+    Variants,
+    bound_fill_s,
+    build_plan,
+    build_templates,
+    variants,
 )
 from hetplan.search.homogeneous import divisors
 from hetplan.search.partition import best_on_frontier
 
 Scored = tuple[Plan, Estimate]
-MAX_STAGES = 32
 MICRO_BATCHES = (1, 2, 4, 8)
-TEMPLATE_BUDGET = 400
 
 
 @dataclass
@@ -95,87 +101,13 @@ def dp_bands(max_pipelines: int) -> list[tuple[int, int]]:
     return out
 
 
-def _templates(tables: list[ClassTable], layers: int, max_pipelines: int) -> list[Template]:
-    avail = [t.groups for t in tables]
-    out: dict[tuple[int, ...], Template] = {}
-    orders = class_orders(tables)
-    for counts in compositions(avail, min(MAX_STAGES, layers), TEMPLATE_BUDGET, max_pipelines):
-        for order in orders:
-            seq = tuple(k for k in order for _ in range(counts[k]))
-            if seq not in out:
-                tpl = make_template(tables, seq, layers)
-                if tpl is not None:
-                    out[seq] = tpl
-    return list(out.values())
+@dataclass
+class _Setting:
+    """Cost tables, templates and their non-dominated variants under one set of knobs."""
 
-
-def _variants(
-    templates: list[Template],
-) -> tuple[list[tuple[int, int]], np.ndarray, np.ndarray, np.ndarray]:
-    keys, counts, fill, bott = [], [], [], []
-    for i, tpl in enumerate(templates):
-        for j, part in enumerate(tpl.frontier):
-            keys.append((i, j))
-            counts.append(tpl.counts)
-            fill.append(part.fill_s + tpl.extra_s)
-            bott.append(part.bottleneck_s)
-    c, f, b = np.array(counts, dtype=np.int64), np.array(fill), np.array(bott)
-    if len(keys) > 1:  # drop variants another beats on resources, fill and bottleneck
-        le = np.all(c[:, None, :] <= c[None, :, :], axis=2)
-        dom = le & (f[:, None] <= f[None, :]) & (b[:, None] <= b[None, :])
-        strict = dom & ~(dom.T)
-        keep = ~np.any(strict, axis=0)
-        _, first = np.unique(np.column_stack([c, f, b]), axis=0, return_index=True)
-        keep &= np.isin(np.arange(len(keys)), first)
-        idx = np.flatnonzero(keep)
-        keys = [keys[i] for i in idx]
-        c, f, b = c[idx], f[idx], b[idx]
-    return keys, c, f, b
-
-
-def build_plan(
-    tables: list[ClassTable],
-    templates: list[Template],
-    keys: list[tuple[int, int]],
-    sel: Selection,
-    knobs: Knobs,
-    global_batch: int,
-    replica_major: bool,
-) -> Plan:
-    """Returns the plan of a selection, mapping stages to TP groups in node order; with
-    ``replica_major`` the same stage of every replica sits side by side (gradient sync
-    inside nodes), otherwise each pipeline's stages do (sends inside nodes)."""
-    pipes = sorted(
-        zip(sel.variants, sel.micro_batches, strict=True), key=lambda x: (keys[x[0]][0], -x[1])
-    )
-    seqs = [templates[keys[v][0]].classes for v, _ in pipes]
-    slots: list[tuple[int, int, int, int]] = []  # (class, rank within class, pipeline, stage)
-    for r, seq in enumerate(seqs):
-        seen: dict[int, int] = {}
-        for j, k in enumerate(seq):
-            q = seen.get(k, 0)
-            seen[k] = q + 1
-            slots.append((k, q, r, j))
-    slots.sort(key=lambda s: (s[0], s[1], s[2]) if replica_major else (s[0], s[2], s[1]))
-    pools = {k: iter(t.cls.groups(t.tp)) for k, t in enumerate(tables)}
-    devices: dict[tuple[int, int], tuple[str, ...]] = {
-        (r, j): next(pools[k]) for k, _, r, j in slots
-    }
-    pipelines = []
-    for r, (v, m) in enumerate(pipes):
-        part = best_on_frontier(list(templates[keys[v][0]].frontier), m)
-        stages = tuple(Stage(part.layers[j], devices[(r, j)]) for j in range(len(seqs[r])))
-        pipelines.append(Pipeline(m * knobs.micro_batch, stages))
-    return Plan(
-        global_batch_size=global_batch,
-        micro_batch_size=knobs.micro_batch,
-        pipelines=tuple(pipelines),
-        precision=knobs.precision,
-        recompute=knobs.recompute,
-        zero_stage=knobs.zero_stage,
-        sequence_parallel=any(s.tp > 1 for p in pipelines for s in p.stages),
-        flash_attention=knobs.flash_attention,
-    )
+    tables: list[ClassTable]
+    templates: list[Template]
+    variants: Variants | None
 
 
 @dataclass
@@ -197,10 +129,25 @@ class _State:
     fitted: set[tuple[tuple[int, ...], int]] = field(default_factory=set)
     """(TP degrees, micro-batch) pairs for which some plan fits without recomputation."""
     seen: set[str] = field(default_factory=set)
+    memo: MilpMemo = field(default_factory=MilpMemo)
+    frontiers: FrontierCache = field(default_factory=dict)
+    tables: dict[tuple[int, int, Knobs], ClassTable] = field(default_factory=dict)
+    prune: bool = True
+    """Skip knobs, bands and selections whose modelled time (a lower bound) cannot win."""
+
+    @property
+    def cutoff_s(self) -> float:
+        """Returns the time a setting's lower bound must beat to be explored."""
+        return self.best_s if self.prune else math.inf
 
     def _tables(self, tps: tuple[int, ...], knobs: Knobs) -> list[ClassTable]:
-        pairs = zip(self.classes, tps, strict=True)
-        return [class_table(self.model, c, t, knobs, self.params) for c, t in pairs]
+        out = []
+        for k, (c, t) in enumerate(zip(self.classes, tps, strict=True)):
+            key = (k, t, knobs)
+            if key not in self.tables:  # shared, so their memory caps are computed once
+                self.tables[key] = class_table(self.model, c, t, knobs, self.params)
+            out.append(self.tables[key])
+        return out
 
     def explore(
         self, tp_list: list[tuple[int, ...]], mbs: tuple[int, ...], recompute: tuple[str, ...]
@@ -217,35 +164,61 @@ class _State:
                     combos.append((self.global_batch // mb * self.model.layers / rate, tps, knobs))
         combos.sort(key=lambda c: c[0])
         for bound_s, tps, knobs in combos:
-            if bound_s >= self.best_s:
+            if bound_s >= self.cutoff_s:
                 break
             if self._combo(tps, knobs):
                 self.fitted.add((tps, knobs.micro_batch))
 
+    def _setting(self, tps: tuple[int, ...], knobs0: Knobs, zero: int) -> _Setting:
+        """Returns the tables, templates and variants of one setting (ZeRO-1 from two
+        replicas on; its memory saving is counted for two, a lower bound)."""
+        knobs = replace(knobs0, zero_stage=zero, dp_assumed=2 if zero else 1)
+        tables = self._tables(tps, knobs)
+        groups = sum(t.groups for t in tables)
+        templates = build_templates(tables, self.model.layers, groups, self.frontiers)
+        if not templates:
+            self.min_mem = min(self.min_mem, *(t.stage_bytes(1, 0, 1) for t in tables))
+            return _Setting(tables, templates, None)
+        return _Setting(tables, templates, variants(templates))
+
+    @staticmethod
+    def _bound_s(templates: list[Template], keys: list[tuple[int, int]], sel: Selection) -> float:
+        """Returns a lower bound of the time of the plan built from a selection."""
+        out = 0.0
+        for v, m in zip(sel.variants, sel.micro_batches, strict=True):
+            part = best_on_frontier(list(templates[keys[v][0]].frontier), m)
+            out = max(out, bound_fill_s(part.stage_s) + (m - 1) * part.bottleneck_s)
+        return out
+
     def _combo(self, tps: tuple[int, ...], knobs0: Knobs) -> bool:
         total_micro = self.global_batch // knobs0.micro_batch
         groups = sum(len(c.groups(t)) for c, t in zip(self.classes, tps, strict=True))
-        # ZeRO-1 from two replicas on; its memory saving is counted for two (a lower bound)
-        built: dict[int, tuple[list[ClassTable], list[Template], Any]] = {}
+        bands = dp_bands(min(groups, total_micro))
+        multi = self._setting(tps, knobs0, 1) if len(bands) > 1 else None
         any_fit = False
-        for lo, hi in dp_bands(min(groups, total_micro)):
-            zero = 1 if lo > 1 else 0
-            if zero not in built:
-                knobs = replace(knobs0, zero_stage=zero, dp_assumed=2 if zero else 1)
-                tables = self._tables(tps, knobs)
-                templates = _templates(tables, self.model.layers, groups)
-                if not templates:
-                    self.min_mem = min(self.min_mem, *(t.stage_bytes(1, 0, 1) for t in tables))
-                built[zero] = (tables, templates, _variants(templates) if templates else None)
-            tables, templates, variants = built[zero]
-            if variants is None:
+        for lo, hi in bands:
+            if lo > 1:
+                setting = multi
+            else:
+                # one replica runs without ZeRO; the ZeRO-1 tables have the same times and
+                # more room, so every split it may use has a bottleneck no less than theirs
+                var = multi.variants if multi is not None else None
+                if var is not None and total_micro * np.min(var.bound[2]) >= self.cutoff_s:
+                    continue
+                setting = self._setting(tps, knobs0, 0)
+            if setting is None or setting.variants is None:
                 continue
+            tables, templates = setting.tables, setting.templates
             knobs = tables[0].knobs
-            keys, cnt, fill, bott = variants
+            var = setting.variants
             avail = np.array([t.groups for t in tables], dtype=np.int64)
-            sel = select_pipelines(cnt, fill, bott, avail, total_micro, (lo, hi), rel_tol=2e-3)
-            if sel is None or sel.time_s >= self.best_s:
+            sel = select_pipelines(
+                var.counts, var.fill, var.bott, avail, total_micro, (lo, hi), 2e-3,
+                self.cutoff_s, self.memo, var.bound, var.slack_s,
+            )  # fmt: skip
+            if sel is None or self._bound_s(templates, var.keys, sel) >= self.cutoff_s:
                 continue
+            keys = var.keys
             for replica_major in (True, False):
                 plan = build_plan(
                     tables, templates, keys, sel, knobs, self.global_batch, replica_major
@@ -283,6 +256,21 @@ def search_heterogeneous(
     flash_attention: bool = True,
 ) -> HeteroResult:
     """Returns the top-k plans on a mixed cluster, best first, with both baselines."""
+    return search_with(model, cluster, global_batch, precision, top_k, params, flash_attention)
+
+
+def search_with(
+    model: ModelSpec,
+    cluster: Cluster,
+    global_batch: int,
+    precision: str,
+    top_k: int = 5,
+    params: CostParams | None = None,
+    flash_attention: bool = True,
+    prune: bool = True,
+) -> HeteroResult:
+    """Returns what ``search_heterogeneous`` does; ``prune=False`` turns off every bound
+    (to check that pruning loses nothing)."""
     start = time.perf_counter()
     params = params or default_params()
     notes: list[str] = []
@@ -313,7 +301,7 @@ def search_heterogeneous(
         elapsed = time.perf_counter() - start
         return HeteroResult([], baselines, elapsed, notes, floor / cluster.num_gpus)
     state = _State(model, cluster, classes, global_batch, precision, params, flash_attention)
-    state.pool, state.best_s, state.min_mem = pool, best_s, min_mem
+    state.pool, state.best_s, state.min_mem, state.prune = pool, best_s, min_mem, prune
     # coordinate search: symmetric TP without recomputation; recomputation where nothing
     # fitted; then one class off the best symmetric degree, at the best knobs
     symmetric = tp_configs(model, classes)

@@ -128,34 +128,44 @@ def uniform_frontier(
     fixed = np.asarray(fixed_s, dtype=float)
     cap = np.minimum(np.asarray(max_layers, dtype=np.int64), layers)
     p = len(tau)
-    if p > layers or np.any(cap < 1) or int(cap.sum()) < layers:
+    if p > layers or cap.min() < 1 or int(cap.sum()) < layers:
         return []
-    ls = np.arange(1, layers + 1)
-    cand = (fixed[:, None] + ls[None, :] * tau[:, None])[ls[None, :] <= cap[:, None]]
-    thresholds = np.unique(cand)
+    ls = np.arange(1, int(cap.max()) + 1)
+    grid = fixed[:, None] + ls[None, :] * tau[:, None]
+    thresholds = np.unique(grid[ls[None, :] <= cap[:, None]])
+    # below, some stage cannot take a layer; above the least-fill split's bottleneck,
+    # every threshold gives that split again
+    order = np.argsort(tau, kind="stable")
+    top = float(np.max(fixed + _fastest_first(cap[None, :], order, layers)[0] * tau))
+    thresholds = thresholds[(thresholds >= float(np.max(fixed + tau))) & (thresholds <= top)]
     eps = 1e-12 * max(1.0, float(thresholds[-1]))
     under = np.floor((thresholds[:, None] - fixed[None, :] + eps) / tau[None, :]).astype(np.int64)
     caps = np.minimum(under, cap[None, :])
-    ok = np.all(caps >= 1, axis=1) & (caps.sum(axis=1) >= layers)
-    if not np.any(ok):
+    caps = caps[(caps.min(axis=1) >= 1) & (caps.sum(axis=1) >= layers)]
+    if caps.shape[0] == 0:
         return []
-    caps = caps[ok]
-    order = np.argsort(tau, kind="stable")
-    extra = caps[:, order] - 1
-    before = np.cumsum(extra, axis=1) - extra
-    assigned = np.clip(layers - p - before, 0, extra)
-    counts = np.empty_like(assigned)
-    counts[:, order] = assigned + 1
+    counts = _fastest_first(caps, order, layers)
     stage = fixed[None, :] + counts * tau[None, :]
     bott = stage.max(axis=1)
     fill = stage.sum(axis=1)
-    out: list[Partition] = []
-    last_fill = np.inf
-    for i in np.lexsort((fill, bott)):
-        if fill[i] < last_fill * (1 - 1e-12):
-            out.append(Partition(tuple(int(c) for c in counts[i]), tuple(map(float, stage[i]))))
-            last_fill = fill[i]
-    return out
+    idx = np.lexsort((fill, bott))
+    f = fill[idx]
+    prev = np.concatenate([[np.inf], np.minimum.accumulate(f)[:-1]])
+    idx = idx[f < prev * (1 - 1e-12)]  # strictly less fill than every smaller bottleneck
+    return [
+        Partition(tuple(c), tuple(t))
+        for c, t in zip(counts[idx].tolist(), stage[idx].tolist(), strict=True)
+    ]
+
+
+def _fastest_first(caps: IntArray, order: IntArray, layers: int) -> IntArray:
+    """Returns per row the layer counts that fill stages in ``order`` up to ``caps``."""
+    extra = caps[:, order] - 1
+    before = np.cumsum(extra, axis=1) - extra
+    assigned = np.clip(layers - caps.shape[1] - before, 0, extra)
+    counts = np.empty_like(assigned)
+    counts[:, order] = assigned + 1
+    return counts
 
 
 def best_on_frontier(frontier: list[Partition], micro_batches: int) -> Partition:

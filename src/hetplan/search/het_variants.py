@@ -1,0 +1,160 @@
+"""Pipeline templates of one setting, their non-dominated variants, and the plan of a
+selection of variants (stages mapped to tensor-parallel groups in node order)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from hetplan.plan import Pipeline, Plan, Stage
+from hetplan.search.grouping import Selection
+from hetplan.search.het_tables import (
+    ClassTable,
+    FrontierCache,
+    Knobs,
+    StageArrays,
+    Template,
+    class_orders,
+    compositions,
+    make_template,
+)
+from hetplan.search.partition import best_on_frontier
+
+MAX_STAGES = 32
+TEMPLATE_BUDGET = 400
+
+
+@dataclass
+class Variants:
+    """Non-dominated (template, frontier point) pairs with group counts, fill, bottleneck;
+    and for every frontier point, its counts, bottleneck and a fill that bounds the
+    replay from below (``bound``): a plan's pipeline may use any point of a template."""
+
+    keys: list[tuple[int, int]]
+    counts: np.ndarray
+    fill: np.ndarray
+    bott: np.ndarray
+    bound: tuple[np.ndarray, np.ndarray, np.ndarray]
+    slack_s: float
+    """The most any point's fill exceeds its bound's fill."""
+
+
+def bound_fill_s(stage_s: tuple[float, ...]) -> float:
+    """Returns a fill whose ``fill + (m-1) * bottleneck`` bounds any schedule's time from
+    below: the last slowest stage runs m micro-batches after every earlier stage's first
+    forward and before their last backward (later stages may overlap it)."""
+    top = max(stage_s)
+    last = max(j for j, t in enumerate(stage_s) if t == top)
+    return float(sum(stage_s[:last])) + top
+
+
+def build_templates(
+    tables: list[ClassTable],
+    layers: int,
+    max_pipelines: int,
+    cache: FrontierCache | None = None,
+) -> list[Template]:
+    """Returns the pipeline templates that fit: class counts per pipeline (all of them when
+    few, else near-even shares) in every tried class order, with their layer frontiers."""
+    avail = [t.groups for t in tables]
+    arrays = StageArrays(tables)
+    out: dict[tuple[int, ...], Template] = {}
+    orders = class_orders(tables)
+    for counts in compositions(avail, min(MAX_STAGES, layers), TEMPLATE_BUDGET, max_pipelines):
+        for order in orders:
+            seq = tuple(k for k in order for _ in range(counts[k]))
+            if seq not in out:
+                tpl = make_template(arrays, seq, layers, cache)
+                if tpl is not None:
+                    out[seq] = tpl
+    return list(out.values())
+
+
+def pareto_rows(c: np.ndarray, f: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Returns the rows no other row beats on groups of every class, fill and bottleneck
+    (the first of exact duplicates): a staircase per count vector, then across them."""
+    vecs, gid = np.unique(c, axis=0, return_inverse=True)
+    gid = gid.reshape(-1)
+    order = np.lexsort((b, f, gid))
+    g, bb = gid[order], b[order]
+    w = g * (2.0 * float(np.ptp(bb)) + 1.0) - bb  # groups never overlap in w
+    prev = np.concatenate([[-np.inf], np.maximum.accumulate(w)[:-1]])
+    new_group = np.concatenate([[True], g[1:] != g[:-1]])
+    idx = order[new_group | (w > prev)]  # bottleneck below all of less fill: a staircase
+    gs, bs = gid[idx], b[idx]
+    # a row falls to a staircase of strictly fewer groups with a point of no more fill
+    # and no more bottleneck: its last point of no more fill (bottlenecks fall along it)
+    fewer = np.all(vecs[:, None, :] <= vecs[None, :, :], axis=2)
+    np.fill_diagonal(fewer, False)
+    h, v = np.nonzero(fewer[:, gs])
+    if h.size:
+        rank = np.unique(f[idx], return_inverse=True)[1].reshape(-1).astype(np.int64)
+        key = gs.astype(np.int64) * (int(rank.max()) + 1) + rank
+        pos = np.searchsorted(key, h * (int(rank.max()) + 1) + rank[v], side="right") - 1
+        hit = (pos >= 0) & (gs[np.maximum(pos, 0)] == h) & (bs[np.maximum(pos, 0)] <= bs[v])
+        dead = np.zeros(idx.size, dtype=bool)
+        dead[v[hit]] = True
+        idx = idx[~dead]
+    return np.sort(idx)
+
+
+def variants(templates: list[Template]) -> Variants:
+    """Returns the non-dominated (template, frontier point) pairs and every point's bound."""
+    keys = [(i, j) for i, tpl in enumerate(templates) for j in range(len(tpl.frontier))]
+    c = np.array([tpl.counts for tpl in templates for _ in tpl.frontier], dtype=np.int64)
+    f = np.array([q.fill_s + tpl.extra_s for tpl in templates for q in tpl.frontier])
+    b = np.array([q.bottleneck_s for tpl in templates for q in tpl.frontier])
+    lb = np.array([bound_fill_s(q.stage_s) for tpl in templates for q in tpl.frontier])
+    bound = (c, lb, b)
+    slack = float(np.max(f - lb))
+    if len(keys) > 1:  # drop variants another beats on resources, fill and bottleneck
+        idx = pareto_rows(c, f, b)
+        keys = [keys[i] for i in idx]
+        c, f, b = c[idx], f[idx], b[idx]
+    return Variants(keys, c, f, b, bound, slack)
+
+
+def build_plan(
+    tables: list[ClassTable],
+    templates: list[Template],
+    keys: list[tuple[int, int]],
+    sel: Selection,
+    knobs: Knobs,
+    global_batch: int,
+    replica_major: bool,
+) -> Plan:
+    """Returns the plan of a selection, mapping stages to TP groups in node order; with
+    ``replica_major`` the same stage of every replica sits side by side (gradient sync
+    inside nodes), otherwise each pipeline's stages do (sends inside nodes)."""
+    pipes = sorted(
+        zip(sel.variants, sel.micro_batches, strict=True), key=lambda x: (keys[x[0]][0], -x[1])
+    )
+    seqs = [templates[keys[v][0]].classes for v, _ in pipes]
+    slots: list[tuple[int, int, int, int]] = []  # (class, rank within class, pipeline, stage)
+    for r, seq in enumerate(seqs):
+        seen: dict[int, int] = {}
+        for j, k in enumerate(seq):
+            q = seen.get(k, 0)
+            seen[k] = q + 1
+            slots.append((k, q, r, j))
+    slots.sort(key=lambda s: (s[0], s[1], s[2]) if replica_major else (s[0], s[2], s[1]))
+    pools = {k: iter(t.cls.groups(t.tp)) for k, t in enumerate(tables)}
+    devices: dict[tuple[int, int], tuple[str, ...]] = {
+        (r, j): next(pools[k]) for k, _, r, j in slots
+    }
+    pipelines = []
+    for r, (v, m) in enumerate(pipes):
+        part = best_on_frontier(list(templates[keys[v][0]].frontier), m)
+        stages = tuple(Stage(part.layers[j], devices[(r, j)]) for j in range(len(seqs[r])))
+        pipelines.append(Pipeline(m * knobs.micro_batch, stages))
+    return Plan(
+        global_batch_size=global_batch,
+        micro_batch_size=knobs.micro_batch,
+        pipelines=tuple(pipelines),
+        precision=knobs.precision,
+        recompute=knobs.recompute,
+        zero_stage=knobs.zero_stage,
+        sequence_parallel=any(s.tp > 1 for p in pipelines for s in p.stages),
+        flash_attention=knobs.flash_attention,
+    )
