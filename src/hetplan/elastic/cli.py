@@ -118,6 +118,14 @@ def replan_cmd(
     for key in ("bytes_local", "bytes_from_peers", "bytes_from_storage"):
         table.add_row(key.removeprefix("bytes_").replace("_", " "), f"{rec[key] / 1e9:.3f}")
     console.print(table)
+    if rec["predicted_recovery_s"] <= 0:
+        console.print(
+            "nothing to move: every shard the new plan needs is already local "
+            f"(downloading everything from storage would take "
+            f"{rec['baseline_recovery_s']:.2f} s)",
+            highlight=False,
+        )
+        return
     console.print(
         f"predicted recovery {rec['predicted_recovery_s']:.2f} s vs "
         f"{rec['baseline_recovery_s']:.2f} s downloading everything from storage "
