@@ -25,7 +25,7 @@ def test_profile_feeds_estimate(inputs: dict[str, Path], tmp_path: Path, write_p
     plan = load_plan(write_plan(tmp_path / "p.json", ASYMMETRIC))
     db = ProfileDB(tmp_path / "prof.sqlite")
     assert estimate(plan, model, cluster, profile=db).compute_source == "analytical"
-    recs = profile_model(db, "cpu", model, [2], [1, 2], torch.device("cpu"), reps=2)
+    recs = profile_model(db, "cpu", model, [2], [1, 2], torch.device("cpu"), reps=5)
     assert [(r.tp, r.micro_batch) for r in recs] == [(1, 2), (2, 2)]
     assert all(r.times.forward_s > 0 and r.times.backward_s > 0 for r in recs)
     assert recs[0].activation_bytes > recs[1].activation_bytes > 0

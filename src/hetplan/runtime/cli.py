@@ -26,7 +26,8 @@ def predicted_step_time_s(
 
     path = db or default_db_path()
     profile = ProfileDB(path) if path.exists() else None
-    est = estimate(plan, model, cluster, profile=profile)
+    # this runtime reduces gradients after the pipeline step, never under the backward
+    est = estimate(replace(plan, overlap_grad_reduce=False), model, cluster, profile=profile)
     return est.iteration_time_s, est.compute_source
 
 
@@ -146,6 +147,12 @@ def profile(
     threads: Annotated[int, typer.Option(help="Threads (0: torch default).")] = 0,
     reps: Annotated[int, typer.Option(help="Timed repetitions (median).")] = 5,
     db: Annotated[Path | None, typer.Option(help="Profile database path.")] = None,
+    links: Annotated[
+        bool,
+        typer.Option(
+            "--links", help="CPU: also measure gloo p2p, all-reduce and pipelining overheads."
+        ),
+    ] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
 ) -> None:
     """Time each layer's forward and backward on this device into the profile database."""
@@ -170,7 +177,9 @@ def profile(
     dev = torch.device(device)
     label = name or ("cpu" if dev.type == "cpu" else torch.cuda.get_device_name(dev))
     store = ProfileDB(db)
-    records = profile_model(store, label, spec, mbs, tps, dev, reps)
+    if links and dev.type != "cpu":
+        raise InputError("--links", "the link measurement runs on the CPU (gloo) only")
+    records = profile_model(store, label, spec, mbs, tps, dev, reps, links=links)
     figures = store.device_figures(label)
     if as_json:
         rows = [

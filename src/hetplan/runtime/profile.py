@@ -1,18 +1,23 @@
-"""Time one transformer layer's forward and backward (and saved activations) on this device."""
+"""Time what a training step runs on this device: a layer's forward and backward (and saved
+activations), the embedding, the head with its loss, the optimizer step, and (in several
+local processes, profile_links.py) the backend's collectives."""
 
 from __future__ import annotations
 
 import statistics
 import time
 from collections.abc import Callable
+from functools import partial
+from typing import Any
 
 import torch
 from torch.nn import functional as F
 
 from hetplan.cost.compute import LayerTimes
 from hetplan.model import ModelSpec
-from hetplan.runtime.model_torch import Block
+from hetplan.runtime.model_torch import Block, Embed, Head
 from hetplan.runtime.profile_db import LayerRecord, ProfileDB, shape_key
+from hetplan.runtime.state import make_optimizer
 
 
 def _sync(device: torch.device) -> None:
@@ -20,16 +25,52 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+_ALIGN: list[Callable[[], object]] = []
+"""Set in profiling processes: a barrier before each timed call, so that every process
+times the same work at the same moment (as a run's ranks compute side by side)."""
+
+
+def _medians_s(fns: list[Callable[[], object]], device: torch.device, reps: int) -> list[float]:
+    """Returns each function's median time; they take turns, so load from elsewhere falls on
+    all of them alike (their differences stay meaningful)."""
+    out: list[list[float]] = [[] for _ in fns]
+    for rep in range(reps + 1):
+        for i, fn in enumerate(fns):
+            for align in _ALIGN:
+                align()
+            _sync(device)
+            t0 = time.perf_counter()
+            fn()
+            _sync(device)
+            if rep:  # the first round warms up
+                out[i].append(time.perf_counter() - t0)
+    return [statistics.median(t) for t in out]
+
+
 def _median_s(fn: Callable[[], object], device: torch.device, reps: int) -> float:
-    fn()  # warm-up
-    out = []
-    for _ in range(reps):
+    return _medians_s([fn], device, reps)[0]
+
+
+def _forward_backward_s(
+    forward: Callable[[], torch.Tensor], grad: torch.Tensor | None, device: torch.device, reps: int
+) -> tuple[float, float]:
+    """Returns the median times of ``forward()`` (recording autograd) and of the backward
+    from its output (with ``grad``, or of a scalar loss), each timed on its own."""
+    fwd, bwd = [], []
+    for rep in range(reps + 1):
+        for align in _ALIGN:
+            align()
         _sync(device)
         t0 = time.perf_counter()
-        fn()
+        out = forward()
         _sync(device)
-        out.append(time.perf_counter() - t0)
-    return statistics.median(out)
+        t1 = time.perf_counter()
+        torch.autograd.backward(out, grad)
+        _sync(device)
+        if rep:  # the first round warms up
+            fwd.append(t1 - t0)
+            bwd.append(time.perf_counter() - t1)
+    return statistics.median(fwd), statistics.median(bwd)
 
 
 def profile_layer(
@@ -38,22 +79,17 @@ def profile_layer(
     """Returns one layer's (times, saved activation bytes) for one TP rank's shard.
 
     The shard's compute is timed without its collectives: those are the cost model's
-    communication terms.
+    communication terms. Layers run as in a stage, CHAIN of them in sequence (each time is
+    per layer), so that no layer finds its weights and activations still in the caches.
     """
-    block = Block(model, tp, None).to(device)
-    for p in block.parameters():
-        torch.nn.init.normal_(p, std=0.02)
+    block = _chain(model, tp).to(device)
     x = torch.randn(micro_batch, model.seq, model.hidden, device=device, requires_grad=True)
     grad = torch.randn_like(x)
+    n = len(block)
 
-    def fwd() -> None:
-        block(x)  # with autograd recording, as in training
-
-    def fwd_bwd() -> None:
-        torch.autograd.backward(block(x), grad)
-
-    forward_s = _median_s(fwd, device, reps)
-    backward_s = max(_median_s(fwd_bwd, device, reps) - forward_s, 0.0)
+    forward_s, backward_s = (
+        t / n for t in _forward_backward_s(lambda: block(x), grad, device, reps)
+    )
     hd, heads = model.head_dim, model.heads // tp
     q = torch.randn(micro_batch, heads, model.seq, hd, device=device)
     with torch.no_grad():
@@ -67,8 +103,68 @@ def profile_layer(
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        block(x)
+        block[0](x)
     return LayerTimes(forward_s, backward_s, attn_s), saved[0]
+
+
+CHAIN = 4
+"""Layers profiled in sequence (fewer if the model has fewer)."""
+
+
+def _init(module: torch.nn.Module) -> torch.nn.Module:
+    for p in module.parameters():
+        torch.nn.init.normal_(p, std=0.02)
+    return module
+
+
+def _chain(model: ModelSpec, tp: int) -> torch.nn.Sequential:
+    """Returns min(CHAIN, layers) initialised layer shards in sequence."""
+    n = max(1, min(CHAIN, model.layers))
+    return torch.nn.Sequential(*(_init(Block(model, tp, None)) for _ in range(n)))
+
+
+def profile_parts(
+    model: ModelSpec, micro_batch: int, device: torch.device, reps: int = 5
+) -> tuple[LayerTimes, LayerTimes]:
+    """Returns the (embedding, head with loss) times for one micro-batch.
+
+    Both are replicated within a TP group, so their times do not depend on TP.
+    """
+    shape = (micro_batch, model.seq)
+    tokens = torch.randint(0, model.vocab, shape, device=device)
+    embed = _init(Embed(model)).to(device)
+    grad = torch.randn(micro_batch, model.seq, model.hidden, device=device)
+    embed_s = _forward_backward_s(partial(embed, tokens), grad, device, reps)
+    head = _init(Head(model)).to(device)
+    x = torch.randn(micro_batch, model.seq, model.hidden, device=device, requires_grad=True)
+
+    def loss() -> torch.Tensor:
+        return F.cross_entropy(head(x).flatten(0, 1), tokens.flatten())
+
+    head_s = _forward_backward_s(loss, None, device, reps)
+    return LayerTimes(*embed_s, 0.0), LayerTimes(*head_s, 0.0)
+
+
+def profile_optimizer(
+    model: ModelSpec, tp: int, device: torch.device, reps: int = 5
+) -> dict[str, tuple[float, int]]:
+    """Returns {part: (AdamW step seconds, parameters)} for a layer shard, embedding, head
+    (a layer's: over a chain of layers, as profile_layer, per layer)."""
+    out = {}
+    chain = _chain(model, tp)
+    parts: dict[str, tuple[torch.nn.Module, int]] = {
+        "layer": (chain, len(chain)),
+        "embed": (_init(Embed(model)), 1),
+        "head": (_init(Head(model)), 1),
+    }
+    for part, (module, n) in parts.items():
+        params = list(module.to(device).parameters())
+        for p in params:
+            p.grad = torch.randn_like(p) * 1e-3
+        opt = make_optimizer(params, 1e-3)
+        step_s = _median_s(opt.step, device, reps) / n
+        out[part] = (step_s, sum(p.numel() for p in params) // n)
+    return out
 
 
 def measure_device(device: torch.device, reps: int = 5) -> tuple[float, float]:
@@ -91,16 +187,58 @@ def profile_model(
     tps: list[int],
     device: torch.device,
     reps: int = 5,
+    links: bool = False,
 ) -> list[LayerRecord]:
-    """Profiles one layer of ``model`` for each (TP, micro-batch) and stores the results."""
+    """Profiles one layer, the embedding, head and optimizer of ``model`` for each (TP,
+    micro-batch) and stores the results.
+
+    With ``links`` (CPU only) everything is measured in several local processes at once, as
+    a run's ranks share this machine, together with the backend's collectives.
+    """
     threads = torch.get_num_threads()
-    tflops, gbps = measure_device(device, reps)
+    if links and device.type != "cpu":
+        raise ValueError("links are measured between CPU processes (gloo) only")
+    if links:
+        from hetplan.runtime.profile_links import profile_links
+
+        res = profile_links(db, device_name, model, micro_batches, tps, max(threads, 1), reps)
+    else:
+        res = measure_compute(model, micro_batches, tps, device, reps)
+    tflops, gbps = res["device"]
     db.put_device(device_name, tflops, gbps, threads)
+    for mb in micro_batches:
+        embed, head = (LayerTimes(t[0], t[1], 0.0) for t in res["parts"][str(mb)])
+        for tp in tps:
+            db.put_part(device_name, model, "embed", tp, mb, "fp32", embed)
+            db.put_part(device_name, model, "head", tp, mb, "fp32", head)
     out = []
     for tp in tps:
+        for part, (step_s, n) in res["optimizer"][str(tp)].items():
+            db.put_optimizer(device_name, model, part, tp, "fp32", step_s, n)
         for mb in micro_batches:
-            times, act = profile_layer(model, tp, mb, device, reps)
+            (fwd, bwd, attn), act = res["layers"][f"{tp},{mb}"]
+            times = LayerTimes(fwd, bwd, attn)
             rec = LayerRecord(device_name, shape_key(model), tp, mb, "fp32", times, act, threads)
             db.put(rec)
             out.append(rec)
     return out
+
+
+def measure_compute(
+    model: ModelSpec, micro_batches: list[int], tps: list[int], device: torch.device, reps: int
+) -> dict[str, Any]:
+    """Returns the compute measurements of profile_model as a JSON-ready mapping."""
+    res: dict[str, Any] = {"device": measure_device(device, reps), "parts": {}}
+    for mb in micro_batches:
+        embed, head = profile_parts(model, mb, device, reps)
+        res["parts"][str(mb)] = [[t.forward_s, t.backward_s] for t in (embed, head)]
+    res["optimizer"] = {str(tp): profile_optimizer(model, tp, device, reps) for tp in tps}
+    res["layers"] = {}
+    for tp in tps:
+        for mb in micro_batches:
+            t, act = profile_layer(model, tp, mb, device, reps)
+            res["layers"][f"{tp},{mb}"] = [
+                [t.forward_s, t.backward_s, t.selective_recompute_s],
+                act,
+            ]
+    return res

@@ -1,0 +1,217 @@
+"""The backend's collectives and the pipelining runtime's overhead, measured between local
+processes (gloo), together with the compute profile of each process (see profile.py)."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+import torch
+
+from hetplan.cost.compute import LayerTimes
+from hetplan.model import ModelSpec
+from hetplan.runtime.model_torch import Block
+from hetplan.runtime.profile import _ALIGN, _init, measure_compute
+from hetplan.runtime.profile_db import ProfileDB
+
+P2P_SIZES = (4 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20)
+ALLREDUCE_SIZES = (4 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20)
+
+
+def fit_alpha_beta(sizes: list[float], times: list[float]) -> tuple[float, float]:
+    """Returns (latency s, bytes/s) of the least-squares line time = latency + size / rate."""
+    n = len(sizes)
+    mx, my = sum(sizes) / n, sum(times) / n
+    sxx = sum((x - mx) ** 2 for x in sizes)
+    slope = sum((x - mx) * (y - my) for x, y in zip(sizes, times, strict=True)) / sxx
+    slope = max(slope, 1e-15)
+    return max(my - slope * mx, 0.0), 1.0 / slope
+
+
+def _timed_all(fns: list[Callable[[], object]], reps: int) -> list[float]:
+    """Returns each function's median time, the functions taking turns (the ranks aligned by a
+    barrier before each), so that load from elsewhere falls on all of them alike."""
+    import torch.distributed as dist
+
+    out: list[list[float]] = [[] for _ in fns]
+    for rep in range(reps + 1):
+        for i, fn in enumerate(fns):
+            dist.barrier()
+            t0 = time.perf_counter()
+            fn()
+            if rep:  # the first round warms up
+                out[i].append(time.perf_counter() - t0)
+    return [statistics.median(t) for t in out]
+
+
+def _timed(fn: Callable[[], object], reps: int) -> float:
+    return _timed_all([fn], reps)[0]
+
+
+def _p2p(rank: int, size: int, reps: int) -> float:
+    """Returns the one-way time of ``size`` bytes (half a ping-pong between ranks 0 and 1)."""
+    import torch.distributed as dist
+
+    buf = torch.zeros(size // 4)
+
+    def ping() -> None:
+        if rank > 1:
+            return
+        peer = 1 - rank
+        for op in (dist.isend, dist.irecv) if rank == 0 else (dist.irecv, dist.isend):
+            work = op(buf, peer)
+            assert work is not None
+            work.wait()
+
+    return _timed(ping, reps) / 2
+
+
+def _pieces(size: int, n: int = 8) -> list[torch.Tensor]:
+    return [torch.randn(size // 4 // n) for _ in range(n)]
+
+
+def _grad_allreduce(grads: list[torch.Tensor]) -> None:
+    """Sums ``grads`` over the ranks as the runtime syncs gradients: assembled into a new
+    flat buffer, all-reduced, copied back."""
+    import torch.distributed as dist
+
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat)
+    pos = 0
+    for g in grads:
+        g.copy_(flat[pos : pos + g.numel()].view_as(g))
+        pos += g.numel()
+
+
+def _pipeline_overhead(model: ModelSpec, mb: int, rank: int, world: int, reps: int) -> float:
+    """Returns the pipelining runtime's time per action (a micro-batch's forward or
+    backward) beyond the module's own compute, on a one-stage pipeline per rank."""
+    import torch.distributed as dist
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+    groups = [dist.new_group([r]) for r in range(world)]
+    module = _init(torch.nn.Linear(model.hidden, model.hidden))
+    cpu = torch.device("cpu")
+
+    def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return (out * target).mean()
+
+    fns: list[Callable[[], object]] = []
+    counts = (2, 6)
+    for m in counts:
+        stage = PipelineStage(module, 0, 1, cpu, group=groups[rank])
+        sched = Schedule1F1B(stage, m, loss_fn=loss_fn, scale_grads=False)
+        x = torch.randn(m * mb, model.seq, model.hidden)
+        target = torch.randn_like(x)
+
+        def direct(x: torch.Tensor = x, target: torch.Tensor = target, m: int = m) -> None:
+            for xc, tc in zip(x.chunk(m), target.chunk(m), strict=True):
+                loss_fn(module(xc), tc).backward()
+
+        def piped(sched: Any = sched, x: torch.Tensor = x, target: torch.Tensor = target) -> None:
+            sched.step(x, target=target, losses=[])
+
+        fns += [piped, direct]
+    p2, d2, p6, d6 = _timed_all(fns, reps)
+    # the difference of the two counts leaves out what a step costs once
+    return max(((p6 - d6) - (p2 - d2)) / (counts[1] - counts[0]), 0.0) / 2
+
+
+def _tp_comm(model: ModelSpec, tp: int, mb: int, group: object, reps: int) -> LayerTimes:
+    """Returns one layer's TP collectives (forward, backward): the layer with its group minus
+    the same shard without it, timed while every rank computes."""
+    torch.manual_seed(0)
+    x = torch.randn(mb, model.seq, model.hidden, requires_grad=True)
+    grad = torch.randn_like(x)
+    joined = _init(Block(model, tp, group))
+    alone = Block(model, tp, None)
+    alone.load_state_dict(joined.state_dict())
+    fns: list[Callable[[], object]] = []
+    for block in (joined, alone):
+        fns.append(partial(block, x))
+        fns.append(partial(_forward_backward, block, x, grad))
+    fj, bj, fa, ba = _timed_all(fns, reps)
+    total = max(bj - ba, 0.0)  # forward and backward: the robust difference
+    forward = min(max(fj - fa, 0.0), total)
+    return LayerTimes(forward, total - forward, 0.0)
+
+
+def _forward_backward(module: torch.nn.Module, x: torch.Tensor, grad: torch.Tensor) -> None:
+    torch.autograd.backward(module(x), grad)
+
+
+def _links_worker(rank: int, world: int, init: str, job: dict, out: str) -> None:
+    import json
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    torch.set_num_threads(job["threads"])
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    try:
+        reps, model = job["reps"], job["model"]
+        _ALIGN.append(dist.barrier)  # every rank computes at once, as in a run
+        compute = measure_compute(
+            model, job["micro_batches"], job["tps"], torch.device("cpu"), reps
+        )
+        p2p = [_p2p(rank, s, reps) for s in P2P_SIZES]
+        ar = [_timed(partial(_grad_allreduce, _pieces(s)), reps) for s in ALLREDUCE_SIZES]
+        pipe = _pipeline_overhead(model, min(job["micro_batches"]), rank, world, reps)
+        comm = {}
+        for tp in job["tps"]:
+            if tp > 1:
+                group = dist.new_group(list(range(tp)))
+                for mb in job["micro_batches"]:
+                    if rank < tp:
+                        t = _tp_comm(model, tp, mb, group, reps)
+                        comm[f"{tp},{mb}"] = [t.forward_s, t.backward_s]
+                    dist.barrier()
+        if rank == 0:
+            res = {"p2p": p2p, "allreduce": ar, "pipeline": pipe, "tp_comm": comm, **compute}
+            Path(out).write_text(json.dumps(res))
+    finally:
+        dist.destroy_process_group()
+
+
+def profile_links(
+    db: ProfileDB,
+    device_name: str,
+    model: ModelSpec,
+    micro_batches: list[int],
+    tps: list[int],
+    threads: int = 1,
+    reps: int = 5,
+) -> dict[str, Any]:
+    """Measures gloo point-to-point, all-reduce, the pipelining overhead and each TP degree's
+    layer collectives between local processes (``threads`` each) and stores them; returns
+    rank 0's measurements, with its compute measurements (see measure_compute)."""
+    import json
+    import tempfile
+    from pathlib import Path
+
+    import torch.multiprocessing as mp
+
+    world = max(2, *tps)
+    with tempfile.TemporaryDirectory(prefix="hetplan-links-") as tmp:
+        out = Path(tmp) / "links.json"
+        job = {"reps": reps, "model": model, "micro_batches": micro_batches, "tps": tps}
+        job["threads"] = threads
+        init = f"file://{Path(tmp) / 'rendezvous'}"
+        mp.spawn(_links_worker, args=(world, init, job, str(out)), nprocs=world, join=True)
+        res = json.loads(out.read_text())
+    p2p = fit_alpha_beta([float(s) for s in P2P_SIZES], res["p2p"])
+    lat, rate = fit_alpha_beta([float(s) for s in ALLREDUCE_SIZES], res["allreduce"])
+    # world ranks: a ring all-reduce takes 2(n-1) steps and moves 2(n-1)/n of the buffer
+    steps = 2 * (world - 1)
+    ring = (lat / steps, rate * steps / world)
+    figures = {"p2p": p2p, "allreduce": ring, "pipeline": (float(res["pipeline"]), 0.0)}
+    for kind, (latency, bps) in figures.items():
+        db.put_link(device_name, kind, latency, bps)
+    for key, (fwd, bwd) in res["tp_comm"].items():
+        tp, mb = (int(x) for x in key.split(","))
+        db.put_part(device_name, model, "tp_comm", tp, mb, "fp32", LayerTimes(fwd, bwd, 0.0))
+    res["links"] = figures
+    return res

@@ -1,0 +1,147 @@
+"""The profile's measurements beyond layers (embedding, head, optimizer, gloo links, TP
+collectives, pipelining overhead): stored, returned, and used by estimate."""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from hetplan.cluster import load_cluster
+from hetplan.cost import comm
+from hetplan.cost.compute import LayerTimes
+from hetplan.cost.estimate import estimate
+from hetplan.cost.params import default_params
+from hetplan.model import load_model
+from hetplan.plan import load_plan
+from hetplan.runtime.profile import profile_model
+from hetplan.runtime.profile_db import ProfileDB
+from hetplan.runtime.profile_links import fit_alpha_beta
+
+PP2 = [(8, [(1, [0]), (3, [1])])]
+DP2 = [(4, [(4, [0])]), (4, [(4, [1])])]
+TP2 = [(8, [(4, [0, 1])])]
+
+
+def test_db_stores_and_returns_measurements(inputs: dict[str, Path], tmp_path: Path) -> None:
+    model = load_model(str(inputs["llama"]))
+    gpu = load_cluster(str(inputs["cluster"])).nodes[0].gpu
+    db = ProfileDB(tmp_path / "p.sqlite")
+    assert db.part_times(gpu, model, "head", 1, 2, "fp32") is None
+    assert db.optimizer_step_s(gpu, model, "layer", 1, "fp32") is None
+    assert db.link_figures(gpu, "p2p") is None
+    db.put_part("cpu", model, "head", 1, 2, "fp32", LayerTimes(0.5, 1.5, 0.0))
+    db.put_part("cpu", model, "tp_comm", 2, 2, "fp32", LayerTimes(0.25, 0.75, 0.0))
+    db.put_optimizer("cpu", model, "layer", 2, "fp32", 0.125, 1000)
+    db.put_link("cpu", "p2p", 1e-4, 2e9)
+    again = ProfileDB(tmp_path / "p.sqlite")  # a new connection reads what was stored
+    assert again.part_times(gpu, model, "head", 1, 2, "fp32") == LayerTimes(0.5, 1.5, 0.0)
+    assert again.part_times(gpu, model, "tp_comm", 2, 2, "fp32") == LayerTimes(0.25, 0.75, 0.0)
+    assert again.part_times(gpu, model, "head", 1, 4, "fp32") is None
+    assert again.optimizer_step_s(gpu, model, "layer", 2, "fp32") == 0.125
+    assert again.optimizer_step_s(gpu, model, "layer", 1, "fp32") is None
+    assert again.link_figures(gpu, "p2p") == (1e-4, 2e9)
+    # the head depends on the vocabulary, a layer's collectives do not
+    other = replace(model, vocab=model.vocab * 2)
+    assert again.part_times(gpu, other, "head", 1, 2, "fp32") is None
+    assert again.part_times(gpu, other, "tp_comm", 2, 2, "fp32") is not None
+    with pytest.raises(ValueError):
+        db.put_link("cpu", "nvlink", 1.0, 1.0)
+    with pytest.raises(ValueError):
+        db.put_part("cpu", model, "layer", 1, 2, "fp32", LayerTimes(1.0, 1.0, 0.0))
+
+
+def test_fit_alpha_beta_recovers_a_line() -> None:
+    sizes = [1e3, 1e4, 1e5, 1e6]
+    lat, rate = fit_alpha_beta(sizes, [2e-5 + s / 5e8 for s in sizes])
+    assert lat == pytest.approx(2e-5, rel=1e-6)
+    assert rate == pytest.approx(5e8, rel=1e-6)
+
+
+@pytest.fixture(scope="module")
+def profiled(inputs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Returns a database with this CPU's single-process profile of the tiny Llama."""
+    path = tmp_path_factory.mktemp("prof") / "p.sqlite"
+    model = load_model(str(inputs["llama"]))
+    profile_model(ProfileDB(path), "cpu", model, [2], [1, 2], torch.device("cpu"), reps=5)
+    return path
+
+
+def test_estimate_uses_embedding_head_and_optimizer(
+    inputs: dict[str, Path], profiled: Path, tmp_path: Path, write_plan: Any
+) -> None:
+    model = load_model(str(inputs["llama"]))
+    cluster = load_cluster(str(inputs["cluster"]))
+    gpu = cluster.nodes[0].gpu
+    db = ProfileDB(profiled)
+    layer = db.lookup("cpu", model, 1, 2, "fp32")
+    embed = db.part_times(gpu, model, "embed", 1, 2, "fp32")
+    head = db.part_times(gpu, model, "head", 1, 2, "fp32")
+    opt = {p: db.optimizer_step_s(gpu, model, p, 1, "fp32") for p in ("layer", "embed", "head")}
+    assert layer and embed and head and all(t is not None and t > 0 for t in opt.values())
+    assert head.forward_s > 0 and head.backward_s > 0 and embed.backward_s > 0
+    est = estimate(load_plan(write_plan(tmp_path / "p.json", PP2)), model, cluster, profile=db)
+    assert est.compute_source == "profiled"
+    first, last = est.stages
+    assert first.forward_s == pytest.approx(layer.forward_s + embed.forward_s)
+    assert last.backward_s == pytest.approx(3 * layer.backward_s + head.backward_s)
+    assert first.optimizer_s == pytest.approx(opt["layer"] + opt["embed"])  # type: ignore[operator]
+    assert last.optimizer_s == pytest.approx(3 * opt["layer"] + opt["head"])  # type: ignore[operator]
+
+
+def test_estimate_uses_links_and_pipeline_overhead(
+    inputs: dict[str, Path], profiled: Path, tmp_path: Path, write_plan: Any
+) -> None:
+    model = load_model(str(inputs["llama"]))
+    cluster = load_cluster(str(inputs["cluster"]))
+    node = cluster.nodes[0]
+    shutil.copy(profiled, tmp_path / "p.sqlite")
+    db = ProfileDB(tmp_path / "p.sqlite")
+    pp_plan = load_plan(write_plan(tmp_path / "pp.json", PP2))
+    before = estimate(pp_plan, model, cluster, profile=db)
+    analytical_send = comm.p2p_s(2 * model.seq * model.hidden * 4, node, node, default_params())
+    assert before.stages[0].send_s == pytest.approx(analytical_send)
+    db.put_link("cpu", "p2p", 0.01, 1e8)
+    db.put_link("cpu", "allreduce", 0.002, 5e7)
+    db.put_link("cpu", "pipeline", 0.003, 0.0)
+    db.put_part("cpu", model, "tp_comm", 2, 2, "fp32", LayerTimes(0.004, 0.006, 0.0))
+    pp = estimate(pp_plan, model, cluster, profile=db)
+    act = 2 * model.seq * model.hidden * 4
+    assert pp.stages[0].send_s == pytest.approx(0.01 + act / 1e8)
+    assert pp.stages[0].forward_s == pytest.approx(before.stages[0].forward_s + 0.003)
+    assert pp.stages[1].backward_s == pytest.approx(before.stages[1].backward_s + 0.003)
+    dp = estimate(load_plan(write_plan(tmp_path / "dp.json", DP2)), model, cluster, profile=db)
+    grads = model.total_params() * 4.0  # untied: every parameter's gradient, summed once
+    assert dp.stages[0].grad_sync_s == pytest.approx(grads / 5e7 + 2 * 0.002)
+    tp = estimate(load_plan(write_plan(tmp_path / "tp.json", TP2)), model, cluster, profile=db)
+    assert tp.stages[0].tp_comm_s == pytest.approx(4 * (0.004 + 0.006))
+    assert tp.compute_source == "profiled"
+
+
+def test_profile_with_links_measures_gloo(
+    inputs: dict[str, Path], tmp_path: Path, write_plan: Any
+) -> None:
+    model = load_model(str(inputs["llama"]))
+    cluster = load_cluster(str(inputs["cluster"]))
+    gpu = cluster.nodes[0].gpu
+    db = ProfileDB(tmp_path / "p.sqlite")
+    recs = profile_model(db, "cpu", model, [2], [1, 2], torch.device("cpu"), reps=3, links=True)
+    assert [(r.tp, r.micro_batch) for r in recs] == [(1, 2), (2, 2)]
+    assert all(r.times.forward_s > 0 and r.times.backward_s > 0 for r in recs)
+    for kind in ("p2p", "allreduce"):
+        figures = db.link_figures(gpu, kind)
+        assert figures is not None and figures[0] >= 0 and figures[1] > 0
+    over = db.link_figures(gpu, "pipeline")
+    assert over is not None and over[0] >= 0
+    assert db.part_times(gpu, model, "tp_comm", 2, 2, "fp32") is not None
+    assert db.part_times(gpu, model, "tp_comm", 1, 2, "fp32") is None  # no collectives
+    assert db.optimizer_step_s(gpu, model, "layer", 2, "fp32") is not None
+    est = estimate(load_plan(write_plan(tmp_path / "dp.json", DP2)), model, cluster, profile=db)
+    ring = db.link_figures(gpu, "allreduce")
+    assert ring is not None
+    grads = model.total_params() * 4.0
+    assert est.stages[0].grad_sync_s == pytest.approx(grads / ring[1] + 2 * ring[0])
