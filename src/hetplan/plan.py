@@ -67,6 +67,9 @@ class Plan:
     flash_attention: bool = True
     overlap_grad_reduce: bool = True
     """Overlap the data-parallel gradient reduction with the last backward passes."""
+    overlap_tp_comm: bool = False
+    """Overlap tensor-parallel collectives with the neighbouring matmuls (Megatron-Core with
+    Transformer Engine's userbuffers); only what exceeds the compute stays exposed."""
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
     @property
@@ -156,6 +159,7 @@ def plan_from_dict(data: Any) -> Plan:
         "sequence_parallel",
         "flash_attention",
         "overlap_grad_reduce",
+        "overlap_tp_comm",
         "pipelines",
     }
     extra = {k: v for k, v in data.items() if k not in known}
@@ -171,6 +175,7 @@ def plan_from_dict(data: Any) -> Plan:
         sequence_parallel=bool(data.get("sequence_parallel", False)),
         flash_attention=bool(data.get("flash_attention", True)),
         overlap_grad_reduce=bool(data.get("overlap_grad_reduce", True)),
+        overlap_tp_comm=bool(data.get("overlap_tp_comm", False)),
         extra=extra,
     )
     check_plan_form(plan)

@@ -310,13 +310,16 @@ def resolve(run: Run, params: CostParams) -> Run:
         recompute=k.recompute, zero_stages=k.zero_stages, sequence_parallel=(k.sequence_parallel,),
         tp=(k.tp,), pp=(k.pp,), dp=(k.dp,), schedules=k.schedules,
     )  # fmt: skip
-    extra = {"tp_comm_overlap": True} if k.overlap_grad_reduce else {}
     found = search_homogeneous(run.model, run.cluster, k.global_batch, k.precision, top_k=1,
                                params=params, space=space, flash_attention=k.flash_attention,
                                finalists=4)  # fmt: skip
     if not found.ranked:
         raise InputError("tp", f"{run.label}: no plan with tp={k.tp} pp={k.pp} dp={k.dp} fits")
-    plan = replace(found.ranked[0][0], overlap_grad_reduce=k.overlap_grad_reduce, extra=extra)
+    plan = replace(
+        found.ranked[0][0],
+        overlap_grad_reduce=k.overlap_grad_reduce,
+        overlap_tp_comm=k.overlap_grad_reduce,
+    )  # Megatron-Core overlaps both
     return replace(run, plan=plan, knobs=None)
 
 

@@ -232,7 +232,7 @@ def _stage_times(
         n_ar = 4 * key.layers + (2 * key.layers if plan.recompute == "full" else 0)
         n_ar += (1 if key.first else 0) + (1 if key.last else 0)
         tp_comm = n_ar * one
-    if plan.extra.get("tp_comm_overlap"):
+    if plan.overlap_tp_comm:
         # Megatron-Core/TE split the TP matmuls into chunks whose collectives run under the
         # neighbouring chunks' math: only what exceeds the compute stays exposed
         tp_comm = max(0.0, tp_comm - (fwd + bwd + rc))

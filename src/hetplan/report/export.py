@@ -86,6 +86,8 @@ def megatron_args(plan: Plan, model: ModelSpec) -> list[str]:
         args.append("--use-flash-attn")
     if plan.overlap_grad_reduce and dp > 1:
         args.append("--overlap-grad-reduce")
+    if plan.overlap_tp_comm and tp > 1:
+        args.append("--tp-comm-overlap")
     return [a for a in args if a]
 
 
