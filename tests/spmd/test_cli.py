@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 from typer.testing import CliRunner
 
@@ -37,3 +39,19 @@ def test_plan_json_has_program_ratios_and_baselines() -> None:
     assert len(out["ratios"]) == 4
     assert out["predicted_time_s"] <= out["dp_ev_time_s"] + 1e-12
     assert any(i["kind"] == "op" for i in out["program"])
+
+
+def test_spmd_cli_import_does_not_import_torch() -> None:
+    code = (
+        "import sys; import hetplan.spmd, hetplan.spmd.cli, hetplan.cli; "
+        "print('torch' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False", out.stdout + out.stderr
+
+
+def test_lazy_package_attributes_resolve() -> None:
+    import hetplan.spmd
+    from hetplan.spmd.synth import synthesize
+
+    assert hetplan.spmd.synthesize is synthesize

@@ -11,7 +11,7 @@ from hetplan.spmd.capture import capture
 from hetplan.spmd.costmodel import uniform_link_devices
 from hetplan.spmd.layout import shard_sizes, split_units
 from hetplan.spmd.ratios import solve_ratios
-from hetplan.spmd.search import astar, exhaustive, search
+from hetplan.spmd.search import astar, exhaustive, greedy, search
 from hetplan.spmd.space import Space
 from hetplan.spmd.synth import synthesize
 
@@ -57,7 +57,7 @@ CASES = [
 def test_astar_equals_exhaustive(make, flops, ratios, bw) -> None:
     cap = make()
     space = Space(cap, uniform_link_devices(flops, bytes_per_s=bw), ratios)
-    best = search(space)
+    best = astar(space, greedy(space))
     assert best.cost_s == pytest.approx(exhaustive(space), abs=1e-9)
     assert sum(i.cost.at(ratios) for i in best.instrs) == pytest.approx(best.cost_s, abs=1e-12)
 

@@ -7,16 +7,16 @@ import os
 import shutil
 import subprocess
 import sys
+from typing import TYPE_CHECKING
 
 import typer
 from rich.console import Console
 
 from hetplan.cluster import load_cluster
 from hetplan.errors import InputError
-from hetplan.spmd.capture import capture
-from hetplan.spmd.costmodel import devices_from_cluster
-from hetplan.spmd.execute import load_factory
-from hetplan.spmd.synth import Synthesis, synthesize
+
+if TYPE_CHECKING:  # torch is imported only when a command runs (keeps `hetplan --help` fast)
+    from hetplan.spmd.synth import Synthesis
 
 app = typer.Typer(help="Synthesise SPMD programs for any PyTorch model (HAP-style).")
 
@@ -35,6 +35,11 @@ def plan_module(
     module: str, cluster: str, inputs: str | None = None, precision: str = "fp16"
 ) -> Synthesis:
     """Returns the synthesis for a factory 'pkg.mod:fn' on a cluster spec."""
+    from hetplan.spmd.capture import capture
+    from hetplan.spmd.costmodel import devices_from_cluster
+    from hetplan.spmd.execute import load_factory
+    from hetplan.spmd.synth import synthesize
+
     factory = load_factory(module)
     mod, example = factory(**_parse_kwargs(inputs))
     cap = capture(mod, example, meta=True)
@@ -83,6 +88,10 @@ def run(
     nproc: int = typer.Option(0, "--nproc", help="ranks (default: cluster devices)"),
     steps: int = typer.Option(5, "--steps"),
     threads: str = typer.Option("", "--threads", help="CPU threads per rank, e.g. 2,1"),
+    duty: str = typer.Option(
+        "", "--duty", help="CPU duty cycle per rank, e.g. 1,0.5 (SIGSTOP/SIGCONT throttling)"
+    ),
+    program: str = typer.Option("synth", "--program", help="synth, dp-ev or dp-cp"),
 ) -> None:
     """Train with the synthesised program under torchrun (gloo on CPU, NCCL on CUDA)."""
     n = nproc or load_cluster(cluster).num_gpus
@@ -104,4 +113,9 @@ def run(
         cmd += ["--inputs", inputs]
     if threads:
         cmd += ["--threads", threads]
+    if duty:
+        cmd += ["--duty", duty]
+    if program not in ("synth", "dp-ev", "dp-cp"):
+        raise InputError("--program", f"{program!r} is not synth, dp-ev or dp-cp")
+    cmd += ["--program", program]
     raise typer.Exit(subprocess.call(cmd))

@@ -9,12 +9,14 @@ import torch
 import torch.distributed as dist
 
 from hetplan.cluster import load_cluster
+from hetplan.spmd import throttle
 from hetplan.spmd.capture import capture
 from hetplan.spmd.cli import _parse_kwargs
 from hetplan.spmd.codegen import build_rank_module, shard_inputs
 from hetplan.spmd.costmodel import devices_from_cluster
 from hetplan.spmd.execute import env_rank, load_factory, train_step
-from hetplan.spmd.synth import synthesize
+from hetplan.spmd.program import Program
+from hetplan.spmd.synth import plan_at, synthesize
 
 
 def main() -> None:
@@ -25,10 +27,16 @@ def main() -> None:
     ap.add_argument("--inputs", default="")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--threads", default="")
+    ap.add_argument("--duty", default="", help="per-rank CPU duty cycle, e.g. 1,0.5")
+    ap.add_argument("--program", default="synth", choices=("synth", "dp-ev", "dp-cp"))
     args = ap.parse_args()
     rank, world = env_rank()
     if args.threads:
         torch.set_num_threads(int(args.threads.split(",")[rank % len(args.threads.split(","))]))
+    watcher = None
+    if args.duty:
+        duties = args.duty.split(",")
+        watcher = throttle.start(float(duties[rank % len(duties)]))
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     dist.init_process_group(backend)
     torch.manual_seed(0)
@@ -38,23 +46,36 @@ def main() -> None:
     if rank == 0:
         cluster = load_cluster(args.cluster)
         devs = devices_from_cluster(cluster, devices=list(cluster.devices())[:world])
-        box = [synthesize(cap, devs).program]  # type: ignore[list-item]
+        if args.program == "synth":
+            box = [synthesize(cap, devs).program]  # type: ignore[list-item]
+        else:
+            b = devs.even() if args.program == "dp-ev" else devs.flops_proportional()
+            res = plan_at(cap, devs, b, "dp", memory_limit=False)
+            box = [Program(res.instrs, b, devs.names)]  # type: ignore[list-item]
     dist.broadcast_object_list(box, src=0)
     program = box[0]
     assert program is not None
     mod = build_rank_module(cap, program, rank)
     local = shard_inputs(mod, cap, inputs, program.ratios)
     opt = torch.optim.SGD(mod.parameters(), lr=0.01)
+    times = []
     for step in range(args.steps):
+        dist.barrier()
         start = time.perf_counter()
         loss = train_step(mod, local)
         opt.step()
         opt.zero_grad()
+        times.append(time.perf_counter() - start)
         if rank == 0:
-            print(
-                f"step {step} loss {loss:.6f} time {time.perf_counter() - start:.4f} s", flush=True
-            )
+            print(f"step {step} loss {loss:.6f} time {times[-1]:.4f} s", flush=True)
+    if rank == 0 and len(times) > 1:
+        ratios = ",".join(f"{r:.4f}" for r in program.ratios)
+        steady = sorted(times[1:])[len(times[1:]) // 2]
+        print(f"program {args.program} ratios {ratios} median step {steady:.4f} s", flush=True)
     dist.destroy_process_group()
+    if watcher is not None:
+        watcher.terminate()
+        watcher.wait(timeout=5)
 
 
 if __name__ == "__main__":

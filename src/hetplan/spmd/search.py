@@ -135,7 +135,16 @@ def astar(
 def search(
     space: Space, on_expand: Callable[[int, State, float, float], None] | None = None
 ) -> SearchResult:
-    """Returns the optimal program: greedy incumbent first, then A* pruned against it."""
+    """Returns the optimal program: by segments when layers repeat, else A* (greedy bound).
+
+    ``on_expand`` (called on every A* expansion) forces A*.
+    """
+    if on_expand is None:
+        from hetplan.spmd.segments import segment_search
+
+        res = segment_search(space)
+        if res is not None:
+            return res
     return astar(space, greedy(space), on_expand)
 
 

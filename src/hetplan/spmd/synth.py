@@ -71,7 +71,7 @@ def synthesize(
     Starts from ``ratios`` (default: FLOP/s-proportional). With ``fixed_ratios`` the
     ratios are kept (one A* run).
     """
-    start = time.perf_counter()
+    start = time.process_time()
     b = [
         float(x)
         for x in check_ratios(ratios if ratios is not None else devs.flops_proportional(), devs.n)
@@ -97,5 +97,5 @@ def synthesize(
     program = Program(res.instrs, b, devs.names, {"expanded": res.expanded})
     ev = plan_at(cap, devs, devs.even(), "dp", memory_limit=False).cost_s
     cp = plan_at(cap, devs, devs.flops_proportional(), "dp", memory_limit=False).cost_s
-    elapsed = time.perf_counter() - start
+    elapsed = time.process_time() - start
     return Synthesis(program, program.time_s(), ev, cp, elapsed, rounds)
