@@ -175,6 +175,7 @@ def _single_type(job: _Job, offer: Offer, points: list[Point]) -> tuple[int, int
     peak = offer.gpu.peak_flops(precision) * _efficiency(model, offer, precision, params, flash)
     flops = _flops_to_train(model, tokens)
     price = offer.price(spot)
+    all_nodes = offer.cluster(offer.max_nodes, spot).nodes  # built once, sliced per count
     for nodes in range(offer.max_nodes, 0, -1):
         slow = spot_slowdown(offer, nodes, terms) if spot else 1.0
         if math.isinf(slow):
@@ -186,7 +187,7 @@ def _single_type(job: _Job, offer: Offer, points: list[Point]) -> tuple[int, int
             pruned += 1
             continue
         planned += 1
-        cluster = offer.cluster(nodes, spot)
+        cluster = Cluster(all_nodes[:nodes])
         scored = score_candidates(
             model, cluster, global_batch, precision, params, PROVISION_SPACE, flash, memo
         )
