@@ -150,167 +150,161 @@ class SearchMemo:
         self.syncs: dict[tuple[object, ...], float] = {}
 
 
-def _shape(
-    model: ModelSpec,
-    c: Candidate,
-    cluster: Cluster,
-    precision: str,
-    params: CostParams,
-    flash: bool,
-    memo: SearchMemo,
-) -> _Shape:
-    key = (c.tp, c.pp, c.micro_batch, c.recompute, c.sequence_parallel, precision, flash)
-    hit = memo.shapes.get(key)
-    if hit is not None:
+@dataclass
+class _Scorer:
+    """Closed-form memory and time of candidates on one cluster, from shared cost tables."""
+
+    model: ModelSpec
+    cluster: Cluster
+    precision: str
+    global_batch: int
+    params: CostParams
+    flash: bool
+    memo: SearchMemo
+
+    def shape(self, c: Candidate) -> _Shape:
+        """Returns the candidate's costs that do not depend on its data-parallel degree."""
+        model, cluster, precision, params, flash, memo = (
+            self.model,
+            self.cluster,
+            self.precision,
+            self.params,
+            self.flash,
+            self.memo,
+        )
+        key = (c.tp, c.pp, c.micro_batch, c.recompute, c.sequence_parallel, precision, flash)
+        hit = memo.shapes.get(key)
+        if hit is not None:
+            return hit
+        node = cluster.nodes[0]
+        gpu = node.gpu
+        eff = params.gpu(gpu.name)
+        mb = c.micro_batch
+        lt = layer_times(model, gpu, eff, c.tp, mb, precision, flash)
+        split = tuple(even_layer_split(model.layers, c.pp))
+        act = mb * model.seq * model.hidden * (4 if precision == "fp32" else 2)
+        ar = comm.intra_node_allreduce_s(act, c.tp, node, params)
+        rc_per_layer = {"none": 0.0, "selective": lt.selective_recompute_s, "full": lt.forward_s}[
+            c.recompute
+        ]
+        n_ar = 4 + (2 if c.recompute == "full" else 0)
+        per_layer = lt.forward_s + lt.backward_s + rc_per_layer + n_ar * ar
+        et = embedding_times(model, gpu, eff, c.tp, mb, precision)
+        ht = head_times(model, gpu, eff, c.tp, mb, precision)
+        stage_t = [x * per_layer for x in split]
+        stage_t[0] += et.forward_s + et.backward_s + ar
+        stage_t[-1] += ht.forward_s + ht.backward_s + ar
+        single = c.pp == 1
+        shape = _Shape(
+            split=split,
+            stage_t=tuple(stage_t),
+            first_forward_s=lt.forward_s * split[0] + et.forward_s,
+            layer_compute_s=lt.forward_s + lt.backward_s,
+            p_first=stage_params(model, split[0], c.tp, True, single, single),
+            p_last=stage_params(model, split[-1], c.tp, single, True, single),
+            act_bytes=act,
+            layer_act_bytes=mb
+            * model.layer_activation_bytes(c.tp, c.sequence_parallel, c.recompute, flash),
+            embed_act_bytes=mb * model.embedding_activation_bytes(c.tp, c.sequence_parallel),
+            head_act_bytes=mb * model.head_activation_bytes(c.tp),
+            working_act_bytes=(
+                mb * model.layer_activation_bytes(c.tp, c.sequence_parallel, "none", flash)
+                if c.recompute == "full"
+                else 0.0
+            ),
+        )
+        memo.shapes[key] = shape
+        return shape
+
+    def peak_bytes(self, c: Candidate) -> float:
+        """Returns the larger peak of the first and last stage of a candidate."""
+        model, precision, global_batch, params = (
+            self.model,
+            self.precision,
+            self.global_batch,
+            self.params,
+        )
+        m = global_batch // c.dp // c.micro_batch
+        shape = self.shape(c)
+        worst = 0.0
+        for j in {0, c.pp - 1}:
+            first, last = j == 0, j == c.pp - 1
+            p_local = shape.p_first if first else shape.p_last
+            w, g, o = state_bytes(p_local, precision, c.zero_stage, c.dp)
+            if c.zero_stage == 3:
+                w += zero3_working_bytes(model, c.tp, precision)
+            units = peak_in_flight(c.schedule, c.pp, m, c.virtual_stages, j)
+            v = c.virtual_stages
+            # as cost.memory.stage_activation_bytes, from the shape's cached per-layer figures
+            acts = units * shape.split[j] / v * shape.layer_act_bytes
+            if first:
+                acts += -(-units // v) * shape.embed_act_bytes
+            if last:
+                acts += shape.head_act_bytes
+            if shape.split[j]:
+                acts += shape.working_act_bytes
+            worst = max(worst, w + g + o + acts + params.memory_reserve_bytes)
+        return worst
+
+    def dp_allreduce_s(self, size_bytes: float, c: Candidate, volume: float) -> float:
+        """Returns the all-reduce time among one stage's replicas in the Megatron layout."""
+        cluster, params, memo = self.cluster, self.params, self.memo
+        key = (size_bytes, c.tp, c.dp, volume)
+        hit = memo.syncs.get(key)
+        if hit is None:
+            nodes = cluster.nodes
+            gpn = nodes[0].gpus
+            members = [nodes[(r * c.tp) // gpn % len(nodes)] for r in range(c.dp)]
+            spans = len({n.name for n in members}) > 1
+            conc = {n.name: min(gpn, c.tp * c.dp) for n in members} if spans else {}
+            hit = comm.group_allreduce_s(size_bytes, members, params, conc, volume)
+            memo.syncs[key] = hit
         return hit
-    node = cluster.nodes[0]
-    gpu = node.gpu
-    eff = params.gpu(gpu.name)
-    mb = c.micro_batch
-    lt = layer_times(model, gpu, eff, c.tp, mb, precision, flash)
-    split = tuple(even_layer_split(model.layers, c.pp))
-    act = mb * model.seq * model.hidden * (4 if precision == "fp32" else 2)
-    ar = comm.intra_node_allreduce_s(act, c.tp, node, params)
-    rc_per_layer = {"none": 0.0, "selective": lt.selective_recompute_s, "full": lt.forward_s}[
-        c.recompute
-    ]
-    n_ar = 4 + (2 if c.recompute == "full" else 0)
-    per_layer = lt.forward_s + lt.backward_s + rc_per_layer + n_ar * ar
-    et = embedding_times(model, gpu, eff, c.tp, mb, precision)
-    ht = head_times(model, gpu, eff, c.tp, mb, precision)
-    stage_t = [x * per_layer for x in split]
-    stage_t[0] += et.forward_s + et.backward_s + ar
-    stage_t[-1] += ht.forward_s + ht.backward_s + ar
-    single = c.pp == 1
-    shape = _Shape(
-        split=split,
-        stage_t=tuple(stage_t),
-        first_forward_s=lt.forward_s * split[0] + et.forward_s,
-        layer_compute_s=lt.forward_s + lt.backward_s,
-        p_first=stage_params(model, split[0], c.tp, True, single, single),
-        p_last=stage_params(model, split[-1], c.tp, single, True, single),
-        act_bytes=act,
-        layer_act_bytes=mb
-        * model.layer_activation_bytes(c.tp, c.sequence_parallel, c.recompute, flash),
-        embed_act_bytes=mb * model.embedding_activation_bytes(c.tp, c.sequence_parallel),
-        head_act_bytes=mb * model.head_activation_bytes(c.tp),
-        working_act_bytes=(
-            mb * model.layer_activation_bytes(c.tp, c.sequence_parallel, "none", flash)
-            if c.recompute == "full"
-            else 0.0
-        ),
-    )
-    memo.shapes[key] = shape
-    return shape
 
-
-def _peak_bytes(
-    model: ModelSpec,
-    c: Candidate,
-    cluster: Cluster,
-    precision: str,
-    global_batch: int,
-    params: CostParams,
-    flash: bool,
-    memo: SearchMemo,
-) -> float:
-    """Returns the larger peak of the first and last stage of a candidate."""
-    m = global_batch // c.dp // c.micro_batch
-    shape = _shape(model, c, cluster, precision, params, flash, memo)
-    worst = 0.0
-    for j in {0, c.pp - 1}:
-        first, last = j == 0, j == c.pp - 1
-        p_local = shape.p_first if first else shape.p_last
-        w, g, o = state_bytes(p_local, precision, c.zero_stage, c.dp)
-        if c.zero_stage == 3:
-            w += zero3_working_bytes(model, c.tp, precision)
-        units = peak_in_flight(c.schedule, c.pp, m, c.virtual_stages, j)
+    def score_s(self, c: Candidate) -> float:
+        """Returns a closed-form iteration time of a candidate from the same cost tables."""
+        cluster, precision, global_batch, params = (
+            self.cluster,
+            self.precision,
+            self.global_batch,
+            self.params,
+        )
+        node = cluster.nodes[0]
+        shape = self.shape(c)
+        m = global_batch // c.dp // c.micro_batch
+        gpn = node.gpus
+        if c.pp > 1:
+            cross = (c.tp * c.dp) >= gpn
+            send = comm.p2p_s(
+                shape.act_bytes / c.tp,
+                node,
+                cluster.nodes[-1] if cross and len(cluster.nodes) > 1 else node,
+                params,
+                concurrency=min(c.tp * c.dp, gpn) if cross else 1,
+            )
+        else:
+            send = 0.0
         v = c.virtual_stages
-        # as cost.memory.stage_activation_bytes, from the shape's cached per-layer figures
-        acts = units * shape.split[j] / v * shape.layer_act_bytes
-        if first:
-            acts += -(-units // v) * shape.embed_act_bytes
-        if last:
-            acts += shape.head_act_bytes
-        if shape.split[j]:
-            acts += shape.working_act_bytes
-        worst = max(worst, w + g + o + acts + params.memory_reserve_bytes)
-    return worst
-
-
-def _dp_allreduce_s(
-    size_bytes: float,
-    c: Candidate,
-    cluster: Cluster,
-    params: CostParams,
-    volume: float,
-    memo: SearchMemo,
-) -> float:
-    """Returns the all-reduce time among one stage's replicas in the Megatron layout."""
-    key = (size_bytes, c.tp, c.dp, volume)
-    hit = memo.syncs.get(key)
-    if hit is None:
-        nodes = cluster.nodes
-        gpn = nodes[0].gpus
-        members = [nodes[(r * c.tp) // gpn % len(nodes)] for r in range(c.dp)]
-        spans = len({n.name for n in members}) > 1
-        conc = {n.name: min(gpn, c.tp * c.dp) for n in members} if spans else {}
-        hit = comm.group_allreduce_s(size_bytes, members, params, conc, volume)
-        memo.syncs[key] = hit
-    return hit
-
-
-def _score_s(
-    model: ModelSpec,
-    c: Candidate,
-    cluster: Cluster,
-    precision: str,
-    global_batch: int,
-    params: CostParams,
-    flash: bool,
-    memo: SearchMemo,
-) -> float:
-    """Returns a closed-form iteration time of a candidate from the same cost tables."""
-    node = cluster.nodes[0]
-    shape = _shape(model, c, cluster, precision, params, flash, memo)
-    m = global_batch // c.dp // c.micro_batch
-    gpn = node.gpus
-    if c.pp > 1:
-        cross = (c.tp * c.dp) >= gpn
-        send = comm.p2p_s(
-            shape.act_bytes / c.tp,
-            node,
-            cluster.nodes[-1] if cross and len(cluster.nodes) > 1 else node,
-            params,
-            concurrency=min(c.tp * c.dp, gpn) if cross else 1,
+        stage_t = list(shape.stage_t)
+        p_local = shape.p_first
+        if c.dp > 1 and c.zero_stage == 3:
+            gather = self.dp_allreduce_s(p_local * (4 if precision == "fp32" else 2), c, 1.0)
+            stage_t[0] += zero3_exposed_s(gather, shape.split[0] * shape.layer_compute_s)
+        bottleneck = max(stage_t)
+        # 1F1B: m micro-batches at the bottleneck's pace plus the fill and drain of the others,
+        # which interleaving divides by v (Narayanan et al. 2021)
+        pipe = m * bottleneck + (sum(stage_t) - bottleneck) / v + 2 * (c.pp - 1) * send * v
+        # gradient sync of the first stage (it finishes last), overlapped with its last backward
+        if c.dp > 1:
+            sync = self.dp_allreduce_s(p_local * 4.0, c, 0.5 if c.zero_stage == 3 else 1.0)
+            exposed = max(0.0, sync - (stage_t[0] - shape.first_forward_s))
+        else:
+            exposed = 0.0
+        gpu = node.gpu
+        opt = optimizer_time_s(
+            p_local / (c.dp if c.zero_stage else 1), gpu, params.gpu(gpu.name), precision
         )
-    else:
-        send = 0.0
-    v = c.virtual_stages
-    stage_t = list(shape.stage_t)
-    p_local = shape.p_first
-    if c.dp > 1 and c.zero_stage == 3:
-        gather = _dp_allreduce_s(
-            p_local * (4 if precision == "fp32" else 2), c, cluster, params, 1.0, memo
-        )
-        stage_t[0] += zero3_exposed_s(gather, shape.split[0] * shape.layer_compute_s)
-    bottleneck = max(stage_t)
-    # 1F1B: m micro-batches at the bottleneck's pace plus the fill and drain of the others,
-    # which interleaving divides by v (Narayanan et al. 2021)
-    pipe = m * bottleneck + (sum(stage_t) - bottleneck) / v + 2 * (c.pp - 1) * send * v
-    # gradient sync of the first stage (it finishes last), overlapped with its last backward
-    if c.dp > 1:
-        sync = _dp_allreduce_s(
-            p_local * 4.0, c, cluster, params, 0.5 if c.zero_stage == 3 else 1.0, memo
-        )
-        exposed = max(0.0, sync - (stage_t[0] - shape.first_forward_s))
-    else:
-        exposed = 0.0
-    gpu = node.gpu
-    opt = optimizer_time_s(
-        p_local / (c.dp if c.zero_stage else 1), gpu, params.gpu(gpu.name), precision
-    )
-    return pipe + exposed + opt
+        return pipe + exposed + opt
 
 
 @dataclass
@@ -349,16 +343,15 @@ def score_candidates(
     scored: list[tuple[float, tuple[object, ...], Candidate]] = []
     count = 0
     min_mem = math.inf
-    memo = memo or SearchMemo()
+    scorer = _Scorer(model, cluster, precision, global_batch, params, flash_attention,
+                     memo or SearchMemo())  # fmt: skip
     for c in enumerate_candidates(model, n, gpn, global_batch, space):
         count += 1
-        peak = _peak_bytes(
-            model, c, cluster, precision, global_batch, params, flash_attention, memo
-        )
+        peak = scorer.peak_bytes(c)
         if peak > gpu.memory_bytes:
             min_mem = min(min_mem, peak)
             continue
-        t = _score_s(model, c, cluster, precision, global_batch, params, flash_attention, memo)
+        t = scorer.score_s(c)
         scored.append((t, _tiebreak(c), c))
     scored.sort(key=lambda x: (x[0], x[1]))
     return Scored([(t, c) for t, _, c in scored], count, len(scored), min_mem)
