@@ -467,26 +467,19 @@ def export(
     tmp.replace(out_path)
 
 
-def _mount_optional() -> None:
-    """Adds the runtime and SPMD commands (they need torch, imported only when run)."""
-    try:
-        from hetplan.runtime.cli import register
-    except ImportError:
-        pass
-    else:
-        register(app)
+def _mount_subcommands() -> None:
+    """Adds the runtime, elastic and SPMD commands; their modules import torch only when a
+    command runs, so the planner works without it."""
     from hetplan.elastic.cli import register as register_elastic
+    from hetplan.runtime.cli import register as register_runtime
+    from hetplan.spmd.cli import app as spmd_app
 
+    register_runtime(app)
     register_elastic(app)
-    try:
-        from hetplan.spmd.cli import app as spmd_app
-    except ImportError:
-        pass
-    else:
-        app.add_typer(spmd_app, name="spmd", help="SPMD program synthesis (HAP-style)")
+    app.add_typer(spmd_app, name="spmd", help="SPMD program synthesis (HAP-style)")
 
 
-_mount_optional()
+_mount_subcommands()
 
 
 def main() -> None:
