@@ -74,7 +74,7 @@ def test_plan_table():
         "fp16",
     )
     assert res.returncode == 0, res.stderr
-    assert "MFU" in res.stdout and "Breakdown" in res.stdout
+    assert "MFU" in res.stdout and "Iteration breakdown" in res.stdout
 
 
 def test_predict_flags_and_plan_file(tmp_path):

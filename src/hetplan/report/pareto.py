@@ -87,14 +87,18 @@ def write_pareto_plot(path: Path, res: ProvisionResult, constraints: Constraints
     xs = [p.time_to_train_s / 86400 for p in res.front]
     ys = [p.total_cost_usd for p in res.front]
     ax.plot(xs, ys, "o-", color="tab:blue", label="Pareto front")
-    for p in res.front:
-        ax.annotate(
-            _gpus(p),
-            (p.time_to_train_s / 86400, p.total_cost_usd),
-            fontsize=6,
-            xytext=(3, 3),
-            textcoords="offset points",
-        )
+    # label the ends of the front and a few points between, not every point
+    step = max(1, len(res.front) // 6)
+    labelled = {0, len(res.front) - 1, *range(0, len(res.front), step)}
+    for i, p in enumerate(res.front):
+        if i in labelled:
+            ax.annotate(
+                _gpus(p),
+                (p.time_to_train_s / 86400, p.total_cost_usd),
+                fontsize=7,
+                xytext=(4, 4),
+                textcoords="offset points",
+            )
     if res.recommended is not None:
         r = res.recommended
         ax.plot(

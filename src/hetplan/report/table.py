@@ -79,7 +79,9 @@ def plans_table(ranked: list[tuple[Plan, Estimate]], title: str) -> Table:
 
 def breakdown_table(est: Estimate) -> Table:
     """Returns the iteration-time breakdown of the critical stage."""
-    table = Table(title=f"Breakdown ({est.bottleneck})", header_style="bold")
+    table = Table(
+        title="Iteration breakdown", caption=f"critical: {est.bottleneck}", header_style="bold"
+    )
     table.add_column("term")
     table.add_column("seconds", justify="right")
     table.add_column("share", justify="right")
