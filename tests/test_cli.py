@@ -259,3 +259,43 @@ def test_calibrate_user_runs_and_use_them(tmp_path):
     )
     assert pred.returncode == 0, pred.stderr
     assert json.loads(pred.stdout)["iteration_time_s"] == pytest.approx(1.1, rel=0.3)
+
+
+def test_mixed_cluster_plan_explain_and_baselines(tmp_path):
+    out = tmp_path / "plan.json"
+    cluster = "A100-80GB:1x4,T4:1x4"
+    res = run(
+        "plan",
+        "--model",
+        "gpt2-medium",
+        "--cluster",
+        cluster,
+        "--global-batch-size",
+        "64",
+        "--top",
+        "2",
+        "--explain",
+        "--out",
+        str(out),
+    )
+    assert res.returncode == 0, res.stderr
+    assert "Stages" in res.stdout and "Replicas" in res.stdout and "baseline" in res.stdout
+    data = run(
+        "plan",
+        "--model",
+        "gpt2-medium",
+        "--cluster",
+        cluster,
+        "--global-batch-size",
+        "64",
+        "--top",
+        "1",
+        "--json",
+    )
+    assert data.returncode == 0, data.stderr
+    baselines = json.loads(data.stdout)["baselines"]
+    assert set(baselines) == {"single_type", "uniform"}
+    info = run("explain", str(out), "--model", "gpt2-medium", "--cluster", cluster, "--json")
+    assert info.returncode == 0, info.stderr
+    explained = json.loads(info.stdout)
+    assert explained["stages"] and explained["replicas"] and explained["bottleneck"]

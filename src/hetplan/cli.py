@@ -198,7 +198,8 @@ def _print_explain(plan_: Plan, spec: ModelSpec, cl: Cluster, params: CostParams
     from hetplan.report.explain import explain as explain_plan
     from hetplan.report.explain import explain_table
 
-    out.print(explain_table(explain_plan(plan_, spec, cl, params)))
+    for table in explain_table(explain_plan(plan_, spec, cl, params)):
+        out.print(table)
 
 
 @app.command()
@@ -313,7 +314,8 @@ def explain(
     if as_json:
         out.print_json(json.dumps(info))
     else:
-        out.print(explain_table(info))
+        for table in explain_table(info):
+            out.print(table)
 
 
 @app.command()
