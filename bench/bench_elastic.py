@@ -29,7 +29,13 @@ from hetplan.elastic.recovery import (
 )
 from hetplan.elastic.replan import replan, split_layers
 from hetplan.elastic.storage import ShardStore
-from hetplan.elastic.transfer import Throttle, execute, survey
+from hetplan.elastic.transfer import (
+    Throttle,
+    execute,
+    measured_file_latency_s,
+    measured_hash_bytes_per_s,
+    survey,
+)
 from hetplan.model import ModelSpec, load_model
 from hetplan.plan import Pipeline, Plan, Stage
 from hetplan.runtime.config import RunConfig
@@ -140,6 +146,8 @@ def part_cpu(tmp: Path) -> None:
         nic,
         storage_bw,
         found.in_storage,
+        hash_bytes_per_s=measured_hash_bytes_per_s(),
+        file_latency_s=measured_file_latency_s(str(tmp)),
     )
     rec = plan_recovery(prob)
     measured, _ = execute(rec, found, tmp / "local", store, model, 0, Throttle(nic, storage_bw))

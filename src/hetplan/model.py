@@ -19,6 +19,9 @@ from hetplan.errors import InputError
 
 Family = Literal["gpt", "llama"]
 
+LOSS_BYTES_PER_LOGIT = 14.0
+"""Peak bytes per vocab-parallel logit during the loss (see ``head_activation_bytes``)."""
+
 
 @dataclass(frozen=True)
 class ModelSpec:
@@ -166,9 +169,14 @@ class ModelSpec:
         return per / (tp if sequence_parallel else 1)
 
     def head_activation_bytes(self, tp: int) -> float:
-        """Returns bytes of the final norm input and the logits kept for the loss, per sequence."""
-        # logits in 2-byte form plus the fp32 softmax of the vocab-parallel cross-entropy
-        return 2.0 * self.seq * self.hidden + 6.0 * self.seq * self.vocab / tp
+        """Returns peak bytes of the final norm input and the loss's logit buffers, per sequence."""
+        # Megatron/DeepSpeed GPT-2 of 2020-22 (megatron/mpu/cross_entropy.py, Megatron-LM
+        # v1.1.5 as vendored by DeepSpeedExamples): the loss is computed on output.float(),
+        # which _VocabParallelCrossEntropy.forward clones ("Copy so the input remains
+        # unchanged") and exponentiates; at that peak the fp16 logits (2 bytes), the fp32
+        # copy (4), its clone (4) and exp_logits (4) coexist: 14 bytes per vocab-parallel
+        # logit. Megatron-Core works in place (6 bytes), so this is an upper bound there.
+        return 2.0 * self.seq * self.hidden + LOSS_BYTES_PER_LOGIT * self.seq * self.vocab / tp
 
     def with_seq(self, seq: int | None) -> ModelSpec:
         """Returns this model with sequence length ``seq`` (unchanged if None)."""

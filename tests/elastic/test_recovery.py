@@ -33,7 +33,7 @@ def _brute_force_s(problem: RecoveryProblem) -> float:
     best = float("inf")
     for combo in itertools.product(*options):
         best = min(best, makespan_s(problem, dict(zip(pairs, combo, strict=True))))
-    return best if pairs else 0.0
+    return best if pairs else makespan_s(problem, {})
 
 
 @pytest.mark.parametrize("seed", range(40))
@@ -66,6 +66,8 @@ def test_contention_spreads_load_over_peers_and_storage() -> None:
         held={"a": all_, "b": all_},
         nic_bytes_per_s={"new": 4e9, "a": 1e9, "b": 1e9},
         storage_bytes_per_s=1e9,
+        hash_bytes_per_s=1e12,  # the flows alone: verification and file overhead negligible
+        file_latency_s=0.0,
     )
     plan = plan_recovery(problem)
     sources = sorted(t.source for t in plan.transfers)
@@ -79,12 +81,53 @@ def test_contention_spreads_load_over_peers_and_storage() -> None:
 def test_nothing_to_move_and_unreachable_shard() -> None:
     shards = {"s0": 10, "s1": 20}
     problem = RecoveryProblem(
-        shards, {"a": frozenset(shards)}, {"a": frozenset(shards)}, {"a": 1.0}, 1.0
+        shards, {"a": frozenset(shards)}, {"a": frozenset(shards)}, {"a": 1.0}, 1.0, None, 10.0, 0.5
     )
     plan = plan_recovery(problem)
-    assert plan.predicted_recovery_s == 0 and plan.bytes_local == 30
+    # nothing moves, but a verifies its 30 local bytes at 10 B/s, then writes one copied file
+    # (none here, still counted) and its manifest and latest: 3 + 0.5 x 3
+    assert plan.predicted_recovery_s == pytest.approx(4.5) and plan.bytes_local == 30
+    assert plan.bytes_from_peers == plan.bytes_from_storage == 0
     lost = RecoveryProblem(
         shards, {"a": frozenset(shards)}, {"a": frozenset()}, {"a": 1.0}, 1.0, frozenset({"s0"})
     )
     with pytest.raises(InputError, match="s1 is on no surviving node"):
         plan_recovery(lost)
+
+
+def _two_shards(hash_bytes_per_s: float) -> RecoveryProblem:
+    shards = {"s0": 10**9, "s1": 10**9}
+    both = frozenset(shards)
+    return RecoveryProblem(
+        shards,
+        need={"a": both, "new": both},
+        held={"a": both},
+        nic_bytes_per_s={"a": 1e9, "new": 2e9},
+        storage_bytes_per_s=1e9,
+        hash_bytes_per_s=hash_bytes_per_s,
+        file_latency_s=0.01,
+    )
+
+
+def test_verification_and_file_latency_by_hand() -> None:
+    # new (2 GB/s in) takes one shard from a and one from storage: 1 s on each link. Fixed: one
+    # copied file, then manifest + latest on a and on new: 0.01 x (1 + 2 x 2) = 0.05 s
+    fast = _two_shards(hash_bytes_per_s=1e10)  # each node hashes 2 GB in 0.2 s, under the NIC
+    assert fast.hash_loads_s() == {"hash:a": pytest.approx(0.2), "hash:new": pytest.approx(0.2)}
+    assert fast.fixed_s() == pytest.approx(0.05)
+    plan = plan_recovery(fast)
+    assert plan.predicted_recovery_s == pytest.approx(1.05)
+    assert sorted(t.source for t in plan.transfers if t.node == "new") == ["a", STORAGE]
+    # baseline: storage sends 4 GB (a re-downloads too) at 1 GB/s
+    assert plan.baseline_recovery_s == pytest.approx(4.05)
+    # hashing at 0.5 GB/s: each node's CPU needs 4 s, more than any link; the MILP's T row
+    # for it is a constant, so the bound and the optimum both move to it
+    slow = plan_recovery(_two_shards(hash_bytes_per_s=5e8))
+    assert slow.predicted_recovery_s == pytest.approx(4.05)
+    assert slow.lower_bound_s == pytest.approx(4.05)
+    assert slow.baseline_recovery_s == pytest.approx(4.05) and slow.speedup == pytest.approx(1.0)
+
+
+def test_bad_hash_throughput_is_an_input_error() -> None:
+    with pytest.raises(InputError, match="hash throughput"):
+        RecoveryProblem({"s": 1}, {"a": frozenset({"s"})}, {}, {"a": 1.0}, 1.0, None, 0.0)

@@ -9,7 +9,12 @@ from pathlib import Path
 from hetplan.elastic.node_ckpt import node_manifest, write_node_step
 from hetplan.elastic.recovery import STORAGE, RecoveryProblem, plan_recovery
 from hetplan.elastic.storage import ShardStore
-from hetplan.elastic.transfer import execute, survey
+from hetplan.elastic.transfer import (
+    execute,
+    measured_file_latency_s,
+    measured_hash_bytes_per_s,
+    survey,
+)
 from hetplan.model import load_model
 from hetplan.runtime import checkpoint as ckpt
 
@@ -69,3 +74,10 @@ def test_copy_corrupted_in_flight_is_fetched_from_storage(tmp_path: Path) -> Non
         assert (
             ckpt.sha256_file(local / "r" / ckpt.step_dir_name(2) / f"{u}.pt") == digests[f"{u}.pt"]
         )
+
+
+def test_machine_figures_are_measured_once(tmp_path: Path) -> None:
+    rate = measured_hash_bytes_per_s()
+    assert 1e7 < rate < 1e11 and measured_hash_bytes_per_s() is rate
+    latency = measured_file_latency_s(str(tmp_path))
+    assert 0 < latency < 1.0 and measured_file_latency_s(str(tmp_path)) is latency

@@ -408,6 +408,7 @@ def fit(runs: Iterable[Run], start: CostParams | None = None, max_nfev: int = 20
     """Returns parameters fitted, per GPU type, to that type's measured runs (OOM rows
     are ignored); types without runs keep ``start``'s values."""
     params = start or CostParams()
+    runs = list(runs)
     measured = [r for r in runs if r.measured is not None]
     if not measured:
         raise InputError("--runs", "no row has a measured value to fit")
@@ -419,7 +420,39 @@ def fit(runs: Iterable[Run], start: CostParams | None = None, max_nfev: int = 20
         for gpu in sorted({_gpu_of(r) for r in fixed}):
             group = [r for r in fixed if _gpu_of(r) == gpu]
             params = params.with_gpu(gpu, _fit_gpu(group, params, gpu, max_nfev))
-    return _with_default(params)
+    params = _with_default(params)
+    reserve = fit_reserve_bytes(_memory_rows(list(runs), params), params.memory_reserve_bytes)
+    return replace(params, memory_reserve_bytes=reserve)
+
+
+# ---- memory: the per-device reserve, fitted as a classification ------------------------
+
+RESERVE_GUARD_BYTES = 2**20
+"""Kept below the tightest measured row's slack so float rounding cannot flip it."""
+
+
+def memory_slack_bytes(run: Run, params: CostParams) -> float:
+    """Returns the smallest (capacity - modelled bytes without the reserve) over its stages."""
+    assert run.plan is not None
+    est = estimate(run.plan, run.model, run.cluster, params, validate=False)
+    return min(s.capacity_bytes - (s.memory.total - s.memory.reserve) for s in est.stages)
+
+
+def fit_reserve_bytes(slacks: list[tuple[float, bool]], prior_bytes: float) -> float:
+    """Returns the largest reserve with which every measured (slack, True) row still fits."""
+    # The reserve holds what the tensor accounting leaves out: the CUDA context, library
+    # workspaces, the caching allocator's fragmentation (PyTorch "CUDA memory management":
+    # reserved >= allocated), and the gap between the datasheet and the visible memory.
+    # Every row that ran must fit; the largest such reserve flags the most OOM rows.
+    ran = [s for s, measured in slacks if measured]
+    if not ran:
+        return prior_bytes
+    return max(0.0, min(ran) - RESERVE_GUARD_BYTES)
+
+
+def _memory_rows(runs: list[Run], params: CostParams) -> list[tuple[float, bool]]:
+    """Returns (slack, ran) of every row with a fixed plan (searched plans fit by design)."""
+    return [(memory_slack_bytes(r, params), r.measured is not None) for r in runs if r.plan]
 
 
 # ---- leave-one-out error ---------------------------------------------------------------
@@ -474,8 +507,17 @@ def leave_one_out(
             folds = list(pool.map(_fold, range(n), [runs] * n, [fixed] * n, [params] * n))
     else:
         folds = [_fold(i, runs, fixed, params) for i in range(n)]
+    # memory leave-one-out: the reserve refitted without the row classifies it
+    slack = {i: memory_slack_bytes(r, params) for i, r in enumerate(runs) if r.plan}
+    held_reserve = {
+        i: fit_reserve_bytes(
+            [(v, runs[j].measured is not None) for j, v in slack.items() if j != i],
+            params.memory_reserve_bytes,
+        )
+        for i in slack
+    }
     rows: dict[str, list[dict[str, Any]]] = {}
-    for run, held in zip(runs, folds, strict=True):
+    for i, (run, held) in enumerate(zip(runs, folds, strict=True)):
         resolved = resolve(run, held)
         assert resolved.plan is not None
         est = estimate(resolved.plan, run.model, run.cluster, held, validate=False)
@@ -487,7 +529,7 @@ def leave_one_out(
             "predicted": pred,
             "measured": run.measured,
             "error_pct": (pred / run.measured - 1) * 100 if run.measured else None,
-            "fits": est.fits,
+            "fits": held_reserve[i] <= slack[i] if i in slack else est.fits,
             "micro_batch": plan.micro_batch_size,
             "virtual_stages": plan.virtual_stages,
             "recompute": plan.recompute,

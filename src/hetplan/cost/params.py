@@ -50,7 +50,9 @@ class CostParams:
     intra_latency_s: float = 10e-6
     inter_latency_s: float = 30e-6
     memory_reserve_bytes: float = 1.5e9
-    """Per device: framework context, allocator fragmentation, workspace."""
+    """Per device, beyond the modelled tensors: CUDA context, library workspaces, caching
+    allocator fragmentation, datasheet-vs-visible capacity; fitted by ``calibrate`` as the
+    largest value with which every measured run still fits (OOM rows then flagged)."""
     fit_report: dict[str, Any] = field(default_factory=dict, compare=False)
 
     def gpu(self, name: str) -> GPUEfficiency:

@@ -118,7 +118,7 @@ def replan_cmd(
     for key in ("bytes_local", "bytes_from_peers", "bytes_from_storage"):
         table.add_row(key.removeprefix("bytes_").replace("_", " "), f"{rec[key] / 1e9:.3f}")
     console.print(table)
-    if rec["predicted_recovery_s"] <= 0:
+    if rec["bytes_from_peers"] + rec["bytes_from_storage"] == 0:
         console.print(
             "nothing to move: every shard the new plan needs is already local "
             f"(downloading everything from storage would take "

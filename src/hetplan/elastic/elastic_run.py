@@ -24,7 +24,14 @@ from hetplan.elastic.placement import node_of, node_shards, shard_bytes
 from hetplan.elastic.recovery import RecoveryProblem, plan_recovery
 from hetplan.elastic.replan import replan
 from hetplan.elastic.storage import ShardStore
-from hetplan.elastic.transfer import Throttle, complete_storage, execute, survey
+from hetplan.elastic.transfer import (
+    Throttle,
+    complete_storage,
+    execute,
+    measured_file_latency_s,
+    measured_hash_bytes_per_s,
+    survey,
+)
 from hetplan.errors import InputError
 from hetplan.runtime.config import RunConfig
 from hetplan.runtime.launch import WORKER, _env, preflight, worker_args
@@ -109,6 +116,8 @@ def run_elastic(
                 nic_bytes_per_s={n.name: n.network_bytes_per_s for n in alive.nodes},
                 storage_bytes_per_s=storage_bytes_per_s,
                 in_storage=found.in_storage,
+                hash_bytes_per_s=measured_hash_bytes_per_s(),
+                file_latency_s=measured_file_latency_s(str(local_root)),
             )
             rec = plan_recovery(problem)
             throttle = (

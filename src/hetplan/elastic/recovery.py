@@ -8,6 +8,13 @@ rate bytes / T, all transfers finish at T exactly when no resource carries more 
 capacity x T, so the recovery time of an assignment is its most loaded resource's
 load / capacity. Choosing the assignment that minimises it is a MILP (HiGHS): one binary
 per (missing shard on a node, source), one continuous T, a capacity row per resource.
+
+Recovery also verifies every shard a node needs (SHA-256): local shards from disk, received
+ones while they stream in, on the node's CPU at ``hash_bytes_per_s`` — one more resource per
+node, in parallel with its NIC, with a load that no choice of source changes. After the
+flows, each node's manifest and ``latest`` are written one node after the other (two atomic
+writes each) and one copied file's open/rename is on the critical path: a fixed
+``file_latency_s`` per file.
 """
 
 from __future__ import annotations
@@ -27,6 +34,18 @@ from hetplan.plan import Plan
 
 LOCAL = "local"
 STORAGE = "storage"
+DEFAULT_HASH_BYTES_PER_S = 1.4e9
+"""hashlib.sha256 on one core with SHA extensions: 1.46 GB/s measured on the bench machine
+(x86, 2 cores); CPUs without them reach about 0.4 GB/s. ``measured_hash_bytes_per_s``
+measures the machine that recovers."""
+HASH_WORKERS = 16
+"""Copy threads per node in ``transfer.recover``; each hashes what it copies or checks."""
+DEFAULT_NODE_HASH_BYTES_PER_S = DEFAULT_HASH_BYTES_PER_S * HASH_WORKERS
+"""Planning default for a GPU server, whose cores outnumber the copy threads; runs on a
+machine with fewer cores per node pass their measured rate instead."""
+DEFAULT_FILE_LATENCY_S = 1e-3
+"""One atomic file write (create, write, fsync, rename) on a local SSD: 0.5-1 ms measured on
+the bench machine; ``measured_file_latency_s`` measures a directory."""
 
 
 @dataclass(frozen=True)
@@ -43,10 +62,16 @@ class RecoveryProblem:
     storage_bytes_per_s: float
     in_storage: frozenset[str] | None = None
     """Shards storage holds (None: all of them)."""
+    hash_bytes_per_s: float = DEFAULT_NODE_HASH_BYTES_PER_S
+    """SHA-256 throughput of one node's CPU (every needed shard is verified)."""
+    file_latency_s: float = DEFAULT_FILE_LATENCY_S
+    """Fixed time of one atomic file write (open, fsync, rename)."""
 
     def __post_init__(self) -> None:
         if self.storage_bytes_per_s <= 0:
             raise InputError("storage_bandwidth", "must be positive")
+        if self.hash_bytes_per_s <= 0 or self.file_latency_s < 0:
+            raise InputError("recovery", "hash throughput must be positive, file latency >= 0")
         for node in set(self.need) | set(self.held):
             if self.nic_bytes_per_s.get(node, 0.0) <= 0:
                 raise InputError("network_bandwidth", f"node {node!r} has no positive bandwidth")
@@ -57,6 +82,19 @@ class RecoveryProblem:
         if self.in_storage is None or shard in self.in_storage:
             out.append(STORAGE)
         return out
+
+    def hash_loads_s(self) -> dict[str, float]:
+        """Returns each node's time verifying every shard it needs (local and received)."""
+        return {
+            f"hash:{n}": sum(self.shard_bytes[s] for s in shards) / self.hash_bytes_per_s
+            for n, shards in self.need.items()
+        }
+
+    def fixed_s(self) -> float:
+        """Returns the serial file overhead: one copied file's open/rename, then a manifest and
+        ``latest`` written per node."""
+        nodes = sum(1 for shards in self.need.values() if shards)
+        return self.file_latency_s * (1 + 2 * nodes) if nodes else 0.0
 
     def missing(self) -> list[tuple[str, str]]:
         """Returns the (node, shard) pairs that must be transferred, in a fixed order."""
@@ -124,8 +162,9 @@ class RecoveryPlan:
 
 
 def loads_s(problem: RecoveryProblem, choice: dict[tuple[str, str], str]) -> dict[str, float]:
-    """Returns the load/capacity in seconds of every resource under ``choice`` (pair -> source)."""
-    out: dict[str, float] = {STORAGE: 0.0}
+    """Returns the load/capacity in seconds of every resource under ``choice`` (pair -> source),
+    node CPUs verifying shards included."""
+    out: dict[str, float] = {STORAGE: 0.0, **problem.hash_loads_s()}
     for (node, shard), src in choice.items():
         b = problem.shard_bytes[shard]
         out[f"in:{node}"] = out.get(f"in:{node}", 0.0) + b / problem.nic_bytes_per_s[node]
@@ -137,8 +176,9 @@ def loads_s(problem: RecoveryProblem, choice: dict[tuple[str, str], str]) -> dic
 
 
 def makespan_s(problem: RecoveryProblem, choice: dict[tuple[str, str], str]) -> float:
-    """Returns the recovery time of an assignment: its most loaded resource's busy time."""
-    return max(loads_s(problem, choice).values(), default=0.0)
+    """Returns the recovery time of an assignment: its most loaded resource's busy time plus
+    the fixed file overhead."""
+    return max(loads_s(problem, choice).values(), default=0.0) + problem.fixed_s()
 
 
 def baseline_s(problem: RecoveryProblem) -> float:
@@ -149,8 +189,8 @@ def baseline_s(problem: RecoveryProblem) -> float:
 
 def _matrices(
     problem: RecoveryProblem, pairs: list[tuple[str, str]]
-) -> tuple[list[tuple[int, str]], np.ndarray, np.ndarray, np.ndarray]:
-    """Returns (variable index -> (pair, source)), A_eq, A_ub and the objective."""
+) -> tuple[list[tuple[int, str]], np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Returns (variable index -> (pair, source)), A_eq, A_ub, b_ub and the objective."""
     cols: list[tuple[int, str]] = []
     for i, (node, shard) in enumerate(pairs):
         srcs = problem.sources(node, shard)
@@ -160,8 +200,12 @@ def _matrices(
             )
         cols += [(i, s) for s in srcs]
     n = len(cols) + 1  # the last variable is T
-    resources = sorted({f"in:{p[0]}" for p in pairs} | {f"out:{s}" for _, s in cols} | {STORAGE})
+    hashing = problem.hash_loads_s()
+    resources = sorted(
+        {f"in:{p[0]}" for p in pairs} | {f"out:{s}" for _, s in cols} | {STORAGE} | set(hashing)
+    )
     row = {r: k for k, r in enumerate(resources)}
+    b_ub = np.array([-hashing.get(r, 0.0) for r in resources])  # constant load: T >= it
     a_eq = np.zeros((len(pairs), n))
     a_ub = np.zeros((len(resources), n))
     for j, (i, src) in enumerate(cols):
@@ -181,7 +225,7 @@ def _matrices(
     scale = 1e-7 / max(1.0, float(a_ub[:, :-1].sum()))
     for j, (_, src) in enumerate(cols):
         c[j] = scale * (2.0 if src == STORAGE else 1.0) * a_ub[:, j].sum()
-    return cols, a_eq, a_ub, c
+    return cols, a_eq, a_ub, b_ub, c
 
 
 def plan_recovery(problem: RecoveryProblem, time_limit_s: float = 5.0) -> RecoveryPlan:
@@ -190,27 +234,27 @@ def plan_recovery(problem: RecoveryProblem, time_limit_s: float = 5.0) -> Recove
     pairs = problem.missing()
     notes: list[str] = []
     choice: dict[tuple[str, str], str] = {}
-    lower, optimal = 0.0, True
+    lower, optimal = makespan_s(problem, {}), True
     if pairs:
-        cols, a_eq, a_ub, c = _matrices(problem, pairs)
+        cols, a_eq, a_ub, b_ub, c = _matrices(problem, pairs)
         n = len(cols) + 1
         lp = linprog(
             c,
             A_ub=a_ub,
-            b_ub=np.zeros(len(a_ub)),
+            b_ub=b_ub,
             A_eq=a_eq,
             b_eq=np.ones(len(pairs)),
             bounds=[(0, 1)] * (n - 1) + [(0, None)],
             method="highs",
         )
-        lower = float(lp.x[-1]) if lp.status == 0 else 0.0
+        lower = float(lp.x[-1]) + problem.fixed_s() if lp.status == 0 else 0.0
         integrality = np.ones(n)
         integrality[-1] = 0
         res = milp(
             c,
             constraints=[
                 LinearConstraint(a_eq, 1.0, 1.0),
-                LinearConstraint(a_ub, -np.inf, 0.0),
+                LinearConstraint(a_ub, -np.inf, b_ub),
             ],
             integrality=integrality,
             bounds=Bounds(np.r_[np.zeros(n - 1), 0.0], np.r_[np.ones(n - 1), np.inf]),

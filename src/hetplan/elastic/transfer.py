@@ -3,12 +3,16 @@
 Copies run concurrently; with a ``Throttle`` each byte also reserves time on the links it
 crosses (the destination's NIC in, the source's NIC out, or storage) at the cluster file's
 bandwidths, so a run on one machine measures the contention the recovery model predicts.
+Received shards are hashed as they stream in; local ones are read and hashed in parallel.
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import json
 import shutil
+import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -22,6 +26,32 @@ from hetplan.elastic.storage import ShardStore
 from hetplan.runtime import checkpoint as ckpt
 
 CHUNK_BYTES = 1 << 16
+LINK_BUFFER_CHUNKS = 4
+"""A link keeps sending for this many chunks while its copier is busy (a socket buffer)."""
+
+
+@functools.cache
+def measured_hash_bytes_per_s(buffer_bytes: int = 32 << 20) -> float:
+    """Returns this machine's SHA-256 throughput on one core (best of 3; measured once)."""
+    data = bytes(buffer_bytes)
+    best_s = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        hashlib.sha256(data).digest()
+        best_s = min(best_s, time.perf_counter() - t0)
+    return buffer_bytes / best_s
+
+
+@functools.cache
+def measured_file_latency_s(directory: str | None = None) -> float:
+    """Returns the median time of one small atomic file write in ``directory`` (measured once)."""
+    with tempfile.TemporaryDirectory(dir=directory) as tmp:
+        times_s = []
+        for i in range(9):
+            t0 = time.perf_counter()
+            ckpt.write_atomic(Path(tmp) / f"probe{i}", b"{}\n" * 256)
+            times_s.append(time.perf_counter() - t0)
+    return sorted(times_s)[len(times_s) // 2]
 
 
 class Throttle:
@@ -38,7 +68,11 @@ class Throttle:
         """Blocks until ``n`` bytes have crossed ``links`` at their rates."""
         with self.lock:
             now = time.perf_counter()
-            start = max([now] + [self.free_at[k] for k in links])
+            # a link idles while its copier reads, hashes and writes only once its buffer ran dry
+            start = max(
+                [now - LINK_BUFFER_CHUNKS * CHUNK_BYTES / min(self.rate[k] for k in links)]
+                + [self.free_at[k] for k in links]
+            )
             end = start
             for k in links:
                 self.free_at[k] = start + n / self.rate[k]
@@ -122,28 +156,31 @@ def survey(local_root: Path, alive: list[str], store: ShardStore, units: list[st
     raise RuntimeError("no checkpoint step can be recovered from the survivors and storage")
 
 
-def _copy(src: Path, dest: Path, links: list[str], throttle: Throttle | None) -> None:
+def _copy(src: Path, dest: Path, links: list[str], throttle: Throttle | None) -> str:
     tmp = dest.with_name(f".{dest.name}.part")
+    digest = hashlib.sha256()
     with src.open("rb") as fin, tmp.open("wb") as fout:
         while block := fin.read(CHUNK_BYTES):
             if throttle is not None:
                 throttle.pass_bytes(links, len(block))
+            digest.update(block)
             fout.write(block)
     tmp.replace(dest)
+    return digest.hexdigest()
 
 
-def _fetch(t: Transfer, root: Path, step: int, store: ShardStore, thr: Throttle | None) -> None:
+def _fetch(t: Transfer, root: Path, step: int, store: ShardStore, thr: Throttle | None) -> str:
+    """Copies one shard to its node; returns the SHA-256 of what arrived."""
     dest = root / t.node / ckpt.step_dir_name(step) / f"{t.shard}.pt"
     dest.parent.mkdir(parents=True, exist_ok=True)
     if t.source == STORAGE:
         if store.fs is None:
             src = Path(store._path(ckpt.step_dir_name(step), dest.name))
-            _copy(src, dest, [STORAGE, f"in:{t.node}"], thr)
-        else:
-            store.get(step, dest.name, dest)
-    else:
-        src = root / t.source / ckpt.step_dir_name(step) / dest.name
-        _copy(src, dest, [f"out:{t.source}", f"in:{t.node}"], thr)
+            return _copy(src, dest, [STORAGE, f"in:{t.node}"], thr)
+        store.get(step, dest.name, dest)
+        return ckpt.sha256_file(dest)
+    src = root / t.source / ckpt.step_dir_name(step) / dest.name
+    return _copy(src, dest, [f"out:{t.source}", f"in:{t.node}"], thr)
 
 
 def execute(
@@ -156,8 +193,9 @@ def execute(
     throttle: Throttle | None = None,
     workers: int = 16,
 ) -> tuple[float, list[str]]:
-    """Runs the transfers, verifies every shard's checksum (a bad peer copy is fetched again
-    from storage), writes each node's manifest; returns the wall time and notes."""
+    """Runs the transfers (network ones first), verifies every shard's checksum (a bad peer
+    copy is fetched again from storage), writes each node's manifest; returns the wall time
+    and notes."""
     start = time.perf_counter()
     notes: list[str] = []
     step = found.step
@@ -166,17 +204,21 @@ def execute(
         name = f"{t.shard}.pt"
         dest = local_root / t.node / ckpt.step_dir_name(step) / name
         if t.source != LOCAL:
-            _fetch(t, local_root, step, store, throttle)
-        if ckpt.sha256_file(dest) != found.digests[name]:
+            digest = _fetch(t, local_root, step, store, throttle)
+        else:
+            digest = ckpt.sha256_file(dest)
+        if digest != found.digests[name]:
             if t.source == STORAGE or t.shard not in found.in_storage:
                 raise RuntimeError(f"{name} from {t.source} fails its checksum; no other copy")
             notes.append(f"{name} from {t.source} failed its checksum; fetched from storage")
-            _fetch(Transfer(t.node, t.shard, STORAGE, t.bytes), local_root, step, store, throttle)
-            if ckpt.sha256_file(dest) != found.digests[name]:
+            again = Transfer(t.node, t.shard, STORAGE, t.bytes)
+            if _fetch(again, local_root, step, store, throttle) != found.digests[name]:
                 raise RuntimeError(f"{name} from storage fails its checksum too")
 
+    # the network copies are the critical path: start them before the local verifications
+    ordered = sorted(plan.transfers, key=lambda t: t.source == LOCAL)
     with ThreadPoolExecutor(max_workers=workers) as pool:
-        list(pool.map(one, plan.transfers))
+        list(pool.map(one, ordered))
     nodes = sorted({t.node for t in plan.transfers})
     for node in nodes:
         root = local_root / node
