@@ -79,22 +79,44 @@ def stage_activation_bytes(
     v: int,
 ) -> float:
     """Returns the activation bytes a stage holds at its peak with ``in_flight`` chunks."""
-    per_layer = model.layer_activation_bytes(tp, sequence_parallel, recompute, flash_attention)
-    chunk = layers / v * per_layer * micro_batch
-    out = in_flight * chunk
-    chunks_of_first = math.ceil(in_flight / v)
-    if first:
-        out += (
-            chunks_of_first * micro_batch * model.embedding_activation_bytes(tp, sequence_parallel)
-        )
-    if last:
-        # the loss's logits live only between the last chunk's forward and backward
-        out += micro_batch * model.head_activation_bytes(tp)
-    if recompute == "full" and layers:
-        # the layer being recomputed holds its full activations during its backward
-        out += micro_batch * model.layer_activation_bytes(
+    layer = micro_batch * model.layer_activation_bytes(
+        tp, sequence_parallel, recompute, flash_attention
+    )
+    embed = micro_batch * model.embedding_activation_bytes(tp, sequence_parallel)
+    head = micro_batch * model.head_activation_bytes(tp)
+    working = 0.0
+    if recompute == "full":
+        working = micro_batch * model.layer_activation_bytes(
             tp, sequence_parallel, "none", flash_attention
         )
+    return combine_activation_bytes(layers, layer, embed, head, working, first, last,
+                                    in_flight, v)  # fmt: skip
+
+
+def combine_activation_bytes(
+    layers: int,
+    layer_bytes: float,
+    embed_bytes: float,
+    head_bytes: float,
+    working_bytes: float,
+    first: bool,
+    last: bool,
+    in_flight: int,
+    v: int,
+) -> float:
+    """Returns a stage's peak activation bytes from one micro-batch's per-piece bytes.
+
+    ``working_bytes``: under full recomputation, the layer being recomputed holds its full
+    activations during its backward (0 otherwise).
+    """
+    out = in_flight * layers / v * layer_bytes
+    if first:
+        out += math.ceil(in_flight / v) * embed_bytes
+    if last:
+        # the loss's logits live only between the last chunk's forward and backward
+        out += head_bytes
+    if layers:
+        out += working_bytes
     return out
 
 

@@ -12,6 +12,7 @@ from hetplan.cost import comm
 from hetplan.cost.compute import embedding_times, head_times, layer_times, optimizer_time_s
 from hetplan.cost.estimate import Estimate, estimate, zero3_exposed_s
 from hetplan.cost.memory import (
+    combine_activation_bytes,
     stage_params,
     state_bytes,
     zero3_working_bytes,
@@ -234,15 +235,11 @@ class _Scorer:
             if c.zero_stage == 3:
                 w += zero3_working_bytes(model, c.tp, precision)
             units = peak_in_flight(c.schedule, c.pp, m, c.virtual_stages, j)
-            v = c.virtual_stages
-            # as cost.memory.stage_activation_bytes, from the shape's cached per-layer figures
-            acts = units * shape.split[j] / v * shape.layer_act_bytes
-            if first:
-                acts += -(-units // v) * shape.embed_act_bytes
-            if last:
-                acts += shape.head_act_bytes
-            if shape.split[j]:
-                acts += shape.working_act_bytes
+            acts = combine_activation_bytes(
+                shape.split[j], shape.layer_act_bytes, shape.embed_act_bytes,
+                shape.head_act_bytes, shape.working_act_bytes, first, last, units,
+                c.virtual_stages,
+            )  # fmt: skip
             worst = max(worst, w + g + o + acts + params.memory_reserve_bytes)
         return worst
 
