@@ -2,7 +2,10 @@
 
 Run from the repository root with the shared folder beside it:
     python tools/build_gpu_catalog.py ../shared/data
-The output keeps every source string; rows marked unverified stay marked.
+The output keeps every source string; rows marked unverified stay marked. Two tables beside
+this script add to the shared ones: gpu_specs_extra.csv (GPUs the shared table lacks, same
+columns) and gpu_tf32.csv (dense TF32 tensor-core peak of every catalog GPU, with its source;
+blank where the GPU has no TF32 tensor cores).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ SPEC_ROWS = {
     "H100-80GB-PCIe": ("H100-80GB", "PCIe"),
     "H200-141GB": ("H200-141GB", "SXM"),
     "H20-96GB": ("H20-96GB", "SXM"),
+    "GH200-96GB": ("GH200-96GB", "Superchip"),
     "V100-16GB": ("V100-16GB", "SXM"),
     "V100-32GB": ("V100-32GB", "SXM"),
     "A10": ("A10", "PCIe"),
@@ -29,19 +33,24 @@ SPEC_ROWS = {
     "RTX 3090": ("RTX 3090", "PCIe"),
     "RTX 4090": ("RTX 4090", "PCIe"),
     "RTX A6000": ("RTX A6000", "PCIe"),
+    "RTX 2080": ("RTX 2080", "PCIe"),
+    "Titan RTX": ("Titan RTX", "PCIe"),
     "MI250X": ("MI250X", "OAM"),
     "MI300X": ("MI300X", "OAM"),
 }
 ALIASES = {
-    "A100-40GB": "A100;A100-SXM4-40GB",
+    "A100-40GB": "A100;A100-SXM4-40GB;A100-40",
     "A100-80GB": "A100-SXM4-80GB",
     "H100-80GB": "H100;H100-SXM;H100-SXM5",
     "H200-141GB": "H200",
     "H20-96GB": "H20",
-    "V100-16GB": "V100",
-    "RTX 3090": "RTX3090;3090",
+    "V100-16GB": "V100;V100-16",
+    "GH200-96GB": "GH-96;GH200",
+    "RTX 3090": "RTX3090;3090;RTX-3090",
     "RTX 4090": "RTX4090;4090",
     "RTX A6000": "A6000",
+    "RTX 2080": "RTX-2080;RTX2080",
+    "Titan RTX": "Titan-RTX;TITAN RTX",
 }
 # price table gpu string -> canonical name
 PRICE_NAMES = {
@@ -62,6 +71,7 @@ PRICE_NAMES = {
     "RTX 4090": "RTX 4090",
     "H200": "H200-141GB",
     "H200-141GB": "H200-141GB",
+    "GH200-96GB": "GH200-96GB",
 }
 PROVIDER_RANK = {"AWS": 0, "Lambda": 1, "RunPod": 2}
 # PCIe x16 per-direction bandwidth by generation (PCI-SIG base specification figures)
@@ -74,6 +84,11 @@ NETWORK = {
     "H200-141GB": (3200, "HGX H200: 8x 400 Gb/s (gpu_specs.csv)"),
     "V100-16GB": (10, "AWS p3.8xlarge 10 Gbps (gpu_specs.csv)"),
     "T4": (50, "AWS g4dn.12xlarge 50 Gbps (gpu_specs.csv)"),
+    "GH200-96GB": (
+        800,
+        "Alps/Clariden GH200 node: 4 Slingshot-11 NICs x 200 Gbit/s, one per GPU "
+        "(gpu_specs_extra.csv)",
+    ),
 }
 # gpu_specs.csv notes say these run BF16 at the FP16 tensor rate ("BF16 same rate",
 # "FP16/BF16 tensor"), though the bf16 column is blank.
@@ -93,8 +108,16 @@ def _mid(text: str) -> str:
     return f"{sum(parts) / len(parts):.4f}"
 
 
+HERE = Path(__file__).parent
+
+
 def main(shared: Path, out: Path) -> None:
     specs = list(csv.DictReader((shared / "gpu_specs.csv").open()))
+    specs += csv.DictReader((HERE / "gpu_specs_extra.csv").open())
+    tf32 = {r["name"]: r for r in csv.DictReader((HERE / "gpu_tf32.csv").open())}
+    missing = set(SPEC_ROWS) - set(tf32)
+    if missing:
+        raise SystemExit(f"gpu_tf32.csv has no row for {sorted(missing)}")
     prices = list(csv.DictReader((shared / "gpu_prices.csv").open()))
     best: dict[str, tuple[int, dict[str, str]]] = {}
     for row in prices:
@@ -109,7 +132,7 @@ def main(shared: Path, out: Path) -> None:
             best[name] = (rank, row)
     fields = [
         "name", "aliases", "form_factor", "bf16_tflops", "fp16_tflops", "fp32_tflops",
-        "memory_gb", "hbm_gbyte_per_s", "intra_node_link", "intra_node_gbyte_per_s",
+        "tf32_tflops", "memory_gb", "hbm_gbyte_per_s", "intra_node_link", "intra_node_gbyte_per_s",
         "network_gbit_per_s", "network_source", "on_demand_usd_per_gpu_hour",
         "spot_usd_per_gpu_hour", "price_source", "verified", "source",
     ]
@@ -139,6 +162,7 @@ def main(shared: Path, out: Path) -> None:
                 ),
                 "fp16_tflops": _num(row["dense_fp16_tensor_tflops"]),
                 "fp32_tflops": _num(row["fp32_tflops"]),
+                "tf32_tflops": _num(tf32[name]["tf32_tflops"]),
                 "memory_gb": row["memory_gb"],
                 "hbm_gbyte_per_s": row["hbm_bw_gbs"],
                 "intra_node_link": link,
@@ -152,7 +176,7 @@ def main(shared: Path, out: Path) -> None:
                     f"({price[1]['date_or_snapshot']}): {price[1]['source']}"
                 ) if price else "no price in shared/data/gpu_prices.csv",
                 "verified": row["verified"],
-                "source": row["source"],
+                "source": f"{row['source']}; TF32: {tf32[name]['source']}",
             })
 
 

@@ -22,6 +22,7 @@ class GPUType:
     bf16_flops: float | None
     """Dense bf16 peak, FLOP/s; None where the GPU has no bf16."""
     fp32_flops: float
+    """Dense fp32 peak on the CUDA cores (no tensor cores), FLOP/s."""
     hbm_bytes_per_s: float
     """Device memory bandwidth."""
     intra_node_bytes_per_s: float
@@ -32,14 +33,24 @@ class GPUType:
     """Default on-demand price per GPU-hour; None where no price is known."""
     spot_usd_per_hour: float | None = None
     source: str = ""
+    tf32_flops: float | None = None
+    """Dense TF32 tensor-core peak, FLOP/s; None where the GPU has no TF32 tensor cores (before
+    Ampere), so that tf32 runs at the fp32 peak."""
 
     def __post_init__(self) -> None:
         for field in ("memory_bytes", "fp16_flops", "hbm_bytes_per_s", "intra_node_bytes_per_s"):
             if not getattr(self, field) > 0:
                 raise InputError(f"gpu_types.{self.name}.{field}", "must be positive")
 
+    @property
+    def has_tf32(self) -> bool:
+        """Returns whether the GPU has TF32 tensor cores."""
+        return self.tf32_flops is not None
+
     def peak_flops(self, precision: str) -> float:
-        """Returns the dense peak FLOP/s at ``precision`` (bf16, fp16 or fp32)."""
+        """Returns the dense peak FLOP/s at ``precision`` (fp32, tf32, bf16 or fp16)."""
+        if precision == "tf32":
+            return self.tf32_flops if self.tf32_flops is not None else self.fp32_flops
         if precision == "bf16":
             if self.bf16_flops is None:
                 raise InputError("precision", f"{self.name} has no bf16 support; use fp16")
@@ -48,7 +59,20 @@ class GPUType:
             return self.fp16_flops
         if precision == "fp32":
             return self.fp32_flops
-        raise InputError("precision", f"unknown precision {precision!r} (bf16, fp16, fp32)")
+        raise InputError("precision", f"unknown precision {precision!r} (fp32, tf32, bf16 or fp16)")
+
+    def peak_label(self, precision: str) -> str:
+        """Returns a phrase naming the units that run ``precision`` and their peak.
+
+        E.g. 'TF32 tensor cores, 156 TFLOP/s'; a GPU without TF32 tensor cores (before Ampere)
+        runs tf32 on its FP32 CUDA cores, and the phrase says so.
+        """
+        tflops = f"{round(self.peak_flops(precision) / 1e12, 1):g} TFLOP/s"
+        if precision == "fp32":
+            return f"FP32 CUDA cores, {tflops}"
+        if precision == "tf32" and not self.has_tf32:
+            return f"no TF32 tensor cores: FP32 CUDA cores, {tflops}"
+        return f"{precision.upper()} tensor cores, {tflops}"
 
     def supports(self, precision: str) -> bool:
         """Returns whether the GPU computes at ``precision``."""
@@ -58,6 +82,11 @@ class GPUType:
 def _float_or_none(text: str) -> float | None:
     text = text.strip()
     return float(text) if text else None
+
+
+def _tflops_or_none(text: str) -> float | None:
+    tflops = _float_or_none(text)
+    return tflops * 1e12 if tflops else None
 
 
 @cache
@@ -75,6 +104,7 @@ def _catalog() -> dict[str, GPUType]:
             fp16_flops=fp16 * 1e12,
             bf16_flops=bf16 * 1e12 if bf16 else None,
             fp32_flops=float(row["fp32_tflops"]) * 1e12,
+            tf32_flops=_tflops_or_none(row["tf32_tflops"]),
             hbm_bytes_per_s=float(row["hbm_gbyte_per_s"]) * 1e9,
             intra_node_bytes_per_s=float(row["intra_node_gbyte_per_s"]) * 1e9,
             network_bytes_per_s=float(row["network_gbit_per_s"]) * 1e9 / 8,
@@ -119,6 +149,7 @@ def gpu_from_mapping(name: str, spec: dict[str, object], field: str) -> GPUType:
         "bf16_tflops",
         "fp16_tflops",
         "fp32_tflops",
+        "tf32_tflops",
         "memory_gb",
         "hbm_gbyte_per_s",
         "intra_node_gbyte_per_s",
@@ -148,12 +179,14 @@ def gpu_from_mapping(name: str, spec: dict[str, object], field: str) -> GPUType:
         raise InputError(f"{field}.fp16_tflops", "required (or bf16_tflops)")
     bf16 = num("bf16_tflops")
     fp32 = num("fp32_tflops", fp16 / 8) or fp16 / 8
+    tf32 = num("tf32_tflops")
     return GPUType(
         name=name,
         memory_bytes=memory * 1e9,
         fp16_flops=fp16 * 1e12,
         bf16_flops=bf16 * 1e12 if bf16 else None,
         fp32_flops=fp32 * 1e12,
+        tf32_flops=tf32 * 1e12 if tf32 else None,
         hbm_bytes_per_s=(num("hbm_gbyte_per_s", 1000.0) or 1000.0) * 1e9,
         intra_node_bytes_per_s=(num("intra_node_gbyte_per_s", 31.5) or 31.5) * 1e9,
         network_bytes_per_s=(num("network_gbit_per_s", 100.0) or 100.0) * 1e9 / 8,

@@ -17,7 +17,14 @@ from hetplan.model import ModelSpec
 
 SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B")
 RECOMPUTE = ("none", "selective", "full")
-PRECISIONS = ("bf16", "fp16", "fp32")
+PRECISIONS = ("fp32", "tf32", "bf16", "fp16")
+"""Precisions as the hardware runs them: fp32 (strict, CUDA cores), tf32 (fp32 storage, matmuls on
+TF32 tensor cores), bf16 and fp16 (mixed precision: fp32 master weights and Adam states)."""
+
+
+def element_bytes(precision: str) -> int:
+    """Returns the bytes of one stored weight, activation or gradient element at ``precision``."""
+    return 4 if precision in ("fp32", "tf32") else 2
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ import math
 import os
 from collections.abc import Iterable
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -36,6 +36,7 @@ from scipy.stats import spearmanr
 from hetplan.cost.estimate import estimate
 from hetplan.cost.params import CostParams, GPUEfficiency
 from hetplan.cost.runs import METRICS, Knobs, Run, load_runs
+from hetplan.cost.trust import add_coverage
 from hetplan.errors import InputError
 
 __all__ = [
@@ -44,8 +45,10 @@ __all__ = [
     "Run",
     "calibrate_file",
     "calibrate_runs",
+    "first_pick",
     "fit",
     "fit_reserve_bytes",
+    "in_sample",
     "leave_one_out",
     "load_runs",
     "memory_slack_bytes",
@@ -89,34 +92,62 @@ def predict(run: Run, params: CostParams) -> tuple[float, bool]:
 
 # ---- fitting ---------------------------------------------------------------------------
 
-# (name, lower, upper, prior, log-scale) of the parameters fitted per GPU type
-_FIELDS = (
-    ("gemm_max", 0.05, 1.0, 0.7, False),
-    ("gemm_half_dim", 4.0, 4096.0, 128.0, True),
-    ("mem_efficiency", 0.1, 1.0, 0.7, False),
-    ("kernel_overhead_s", 1e-6, 3e-4, 1e-5, True),
-    ("link_efficiency", 0.1, 1.0, 0.7, False),
-)
+
+@dataclass(frozen=True)
+class Term:
+    """One fitted term of the cost model: a physical quantity with a unit and bounds."""
+
+    name: str
+    unit: str
+    lower: float
+    upper: float
+    prior: float
+    log: bool
+    meaning: str
+
+
+TERMS = (
+    Term("gemm_max", "fraction of peak", 0.05, 0.95, 0.7, False,
+         "large matmuls' share of the datasheet peak"),
+    Term("gemm_half_dim", "elements", 4.0, 4096.0, 128.0, True,
+         "smallest matmul dimension at which matmuls reach half of gemm_max (small "
+         "micro-batches and narrow TP shards run far below peak)"),
+    Term("mem_efficiency", "fraction of HBM bandwidth", 0.3, 0.95, 0.75, False,
+         "elementwise kernels' share of the memory bandwidth"),
+    Term("kernel_overhead_s", "s per kernel", 1e-6, 1e-4, 8e-6, True,
+         "launch and framework cost of one kernel"),
+    Term("microbatch_overhead_s", "s per micro-batch per stage", 1e-5, 0.05, 1e-3, True,
+         "fixed cost of each micro-batch on each stage (pipeline engine, p2p handshakes)"),
+    Term("link_efficiency", "fraction of intra-node bandwidth", 0.2, 0.95, 0.7, False,
+         "collectives' and sends' share of the NVLink/PCIe bandwidth"),
+    Term("network_efficiency", "fraction of network bandwidth", 0.1, 0.95, 0.6, False,
+         "collectives' and sends' share of the inter-node network bandwidth"),
+    Term("grad_overlap", "fraction", 0.0, 1.0, 0.7, False,
+         "share of the gradient all-reduce that runs under the last backward when overlapped"),
+)  # fmt: skip
 PRIOR_WEIGHT = 0.05
-"""Weight of the (log-)distance of each parameter from its prior: a weak pull that keeps
-few rows from driving poorly determined parameters to a bound."""
+"""Weight of the (log-)distance of each term from its prior: a weak pull that keeps
+terms the data says nothing about at their prior, and few rows from driving a term to a
+bound."""
+MAX_EVALUATIONS = 120
+"""Cap on residual evaluations per GPU type and fit (a fit converges in far fewer)."""
 
 
-def _pack(eff: GPUEfficiency, base: CostParams) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _pack(eff: GPUEfficiency) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     x, lo, hi = [], [], []
-    for name, a, b, _, log in _FIELDS:
-        value = getattr(eff, name)
-        value = base.link_efficiency if value is None else value
-        f = math.log if log else float
-        x.append(f(min(max(value, a), b)))
-        lo.append(f(a))
-        hi.append(f(b))
+    for t in TERMS:
+        value = getattr(eff, t.name)
+        value = t.prior if value is None else value
+        f = math.log if t.log else float
+        x.append(f(min(max(value, t.lower), t.upper)))
+        lo.append(f(t.lower))
+        hi.append(f(t.upper))
     return np.array(x), np.array(lo), np.array(hi)
 
 
 def _unpack(x: np.ndarray) -> GPUEfficiency:
     return GPUEfficiency(
-        **{f[0]: math.exp(float(v)) if f[4] else float(v) for v, f in zip(x, _FIELDS, strict=True)}
+        **{t.name: math.exp(float(v)) if t.log else float(v) for v, t in zip(x, TERMS, strict=True)}
     )
 
 
@@ -131,17 +162,35 @@ def _residuals(x: np.ndarray, runs: list[Run], base: CostParams, gpu: str) -> np
         assert run.plan is not None and run.measured is not None
         est = estimate(run.plan, run.model, run.cluster, params, validate=False)
         out.append(math.log(run.predict(est) / run.measured))
-    for xi, (_, _, _, prior, log) in zip(x, _FIELDS, strict=True):
-        out.append(PRIOR_WEIGHT * ((xi - math.log(prior)) if log else (xi / prior - 1.0)))
+    for xi, t in zip(x, TERMS, strict=True):
+        out.append(PRIOR_WEIGHT * ((xi - math.log(t.prior)) if t.log else (xi / t.prior - 1.0)))
     return np.array(out)
 
 
+def _prior_eff() -> GPUEfficiency:
+    return GPUEfficiency(**{t.name: t.prior for t in TERMS})
+
+
 def _fit_gpu(runs: list[Run], base: CostParams, gpu: str, max_nfev: int) -> GPUEfficiency:
-    x0, lo, hi = _pack(base.gpu(gpu), base)
+    x0, lo, hi = _pack(_prior_eff())
     # a tolerance of 1e-4 on log errors is far below the data's own noise (~1%)
     sol = least_squares(_residuals, x0, bounds=(lo, hi), args=(runs, base, gpu), x_scale="jac",
                         ftol=1e-4, xtol=1e-4, gtol=1e-4, max_nfev=max_nfev)  # fmt: skip
     return _unpack(sol.x)
+
+
+def terms_report(eff: GPUEfficiency) -> dict[str, dict[str, Any]]:
+    """Returns each fitted term's value, unit, meaning and whether it sits on a bound."""
+    out = {}
+    for t in TERMS:
+        value = getattr(eff, t.name)
+        value = t.prior if value is None else value
+        span = (math.log(t.upper) - math.log(t.lower)) if t.log else (t.upper - t.lower)
+        pos = (math.log(value) - math.log(t.lower)) if t.log else (value - t.lower)
+        bound = "lower" if pos <= 1e-3 * span else "upper" if pos >= span * (1 - 1e-3) else None
+        out[t.name] = {"value": value, "unit": t.unit, "meaning": t.meaning,
+                       "bounds": [t.lower, t.upper], "at_bound": bound}  # fmt: skip
+    return out
 
 
 def _with_default(params: CostParams) -> CostParams:
@@ -150,27 +199,33 @@ def _with_default(params: CostParams) -> CostParams:
     effs = list(params.gpus.values())
     if not effs:
         return params
-    mean = {
-        name: float(np.exp(np.mean([math.log(getattr(e, name)) for e in effs])))
-        for name, *_ in _FIELDS
-        if name != "link_efficiency"
-    }
-    links = [e.link_efficiency for e in effs if e.link_efficiency is not None]
-    link = float(np.mean(links)) if links else params.link_efficiency
+    mean: dict[str, float] = {}
+    for t in TERMS:
+        values = [getattr(e, t.name) for e in effs]
+        if t.log:
+            mean[t.name] = float(np.exp(np.mean(np.log(values))))
+        else:
+            mean[t.name] = float(np.mean(values))
+    link = mean.pop("link_efficiency")
+    mean.pop("network_efficiency")
     return replace(params, default=GPUEfficiency(**mean), link_efficiency=link)
 
 
-def fit(runs: Iterable[Run], start: CostParams | None = None, max_nfev: int = 200) -> CostParams:
-    """Returns parameters fitted, per GPU type, to that type's measured runs (OOM rows
-    are ignored); types without runs keep ``start``'s values."""
+def fit(runs: Iterable[Run], start: CostParams | None = None, max_nfev: int = MAX_EVALUATIONS
+        ) -> CostParams:  # fmt: skip
+    """Returns parameters fitted from their priors, per GPU type, to that type's measured
+    runs (OOM rows are ignored); types without runs keep ``start``'s values. ``start``
+    also brings the profile (measured compute) the runs are predicted with."""
     params = start or CostParams()
     runs = list(runs)
     measured = [r for r in runs if r.measured is not None]
     if not measured:
         raise InputError("--runs", "no row has a measured value to fit")
-    # knobs the search chooses are fixed with the starting parameters, then chosen again
-    # with the fitted ones and the fit repeated
+    # knobs the search chooses are fixed with the prior terms, then chosen again with the
+    # fitted ones and the fit repeated
     rounds = 2 if any(r.knobs for r in measured) else 1
+    for gpu in sorted({_gpu_of(r) for r in measured}):
+        params = params.with_gpu(gpu, _prior_eff())
     for _ in range(rounds):
         fixed = [resolve(r, params) for r in measured]
         for gpu in sorted({_gpu_of(r) for r in fixed}):
@@ -178,7 +233,18 @@ def fit(runs: Iterable[Run], start: CostParams | None = None, max_nfev: int = 20
             params = params.with_gpu(gpu, _fit_gpu(group, params, gpu, max_nfev))
     params = _with_default(params)
     reserve = fit_reserve_bytes(_memory_rows(list(runs), params), params.memory_reserve_bytes)
-    return replace(params, memory_reserve_bytes=reserve)
+    report = {gpu: terms_report(eff) for gpu, eff in params.gpus.items()}
+    coverage: dict[str, Any] = dict(params.fit_report.get("coverage", {}))
+    for run in fixed:
+        assert run.plan is not None and run.measured is not None
+        est = estimate(run.plan, run.model, run.cluster, params, validate=False)
+        pred = run.predict(est)
+        ratio = pred / run.measured if run.metric == "iter_time_s" else run.measured / pred
+        gpu = _gpu_of(run)
+        coverage[gpu] = add_coverage(coverage.get(gpu, {}), run.plan, est.mfu * ratio)
+    return replace(params, memory_reserve_bytes=reserve,
+                   fit_report={**params.fit_report, "terms": report,
+                               "coverage": coverage})  # fmt: skip
 
 
 # ---- memory: the per-device reserve, fitted as a classification ------------------------
@@ -211,10 +277,47 @@ def _memory_rows(runs: list[Run], params: CostParams) -> list[tuple[float, bool]
     return [(memory_slack_bytes(r, params), r.measured is not None) for r in runs if r.plan]
 
 
-# ---- leave-one-out error ---------------------------------------------------------------
+# ---- error reports: in sample and cold leave-one-out ------------------------------------
 
 
-def _summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
+def _group_key(run: Run) -> tuple[Any, ...]:
+    """Runs that are alternatives for one job: same model, GPUs, batch and metric."""
+    k = run.knobs
+    batch = run.plan.global_batch_size if run.plan is not None else k.global_batch if k else 0
+    return (run.model.name, run.cluster.num_gpus, batch, run.metric)
+
+
+def first_pick(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Returns, over groups of alternative runs (same job), how the plan the model ranks
+    first measured against the measured best: worst ratio and how many picks were best."""
+    groups: dict[Any, list[dict[str, Any]]] = {}
+    for r in rows:
+        if r["measured"] is not None:
+            groups.setdefault(r["group"], []).append(r)
+    ratios = []
+    for members in groups.values():
+        if len(members) < 2:
+            continue
+        faster = members[0]["metric"] == "iter_time_s"
+        sign = 1.0 if faster else -1.0
+        pick = min(members, key=lambda r: sign * r["predicted"])
+        best = min(members, key=lambda r: sign * r["measured"])
+        ratio = pick["measured"] / best["measured"] if faster else best["measured"] / pick[
+            "measured"]  # fmt: skip
+        ratios.append((ratio, pick["label"], best["label"]))
+    if not ratios:
+        return {"groups": 0}
+    worst = max(ratios)
+    return {
+        "groups": len(ratios),
+        "best_picked": sum(r[0] <= 1.0 + 1e-12 for r in ratios),
+        "worst_ratio": worst[0],
+        "worst_pick": worst[1],
+        "worst_best": worst[2],
+    }
+
+
+def _summary(rows: list[dict[str, Any]], loo: bool) -> dict[str, Any]:
     done = [r for r in rows if r["measured"] is not None]
     errs = [abs(r["error_pct"]) for r in done]
     rho = spearmanr([r["predicted"] for r in done], [r["measured"] for r in done])[0]
@@ -224,46 +327,76 @@ def _summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
         "mae_pct": float(np.mean(errs)) if errs else math.nan,
         "max_pct": float(np.max(errs)) if errs else math.nan,
         "spearman": float(rho) if len(done) > 2 else math.nan,
-        "loo": True,
+        "loo": loo,
+        "first_pick": first_pick(rows),
         "oom_rows": len(oom),
         "oom_rows_flagged": sum(not r["fits"] for r in oom),
         "measured_rows_flagged": sum(not r["fits"] for r in done),
     }
 
 
-LOO_MAX_EVALUATIONS = 30
-"""Refits of the leave-one-out folds start from the all-rows fit; they are capped."""
+def _row(run: Run, params: CostParams, fits: bool | None = None) -> dict[str, Any]:
+    resolved = resolve(run, params)
+    assert resolved.plan is not None
+    est = estimate(resolved.plan, run.model, run.cluster, params, validate=False)
+    pred = run.predict(est)
+    plan = resolved.plan
+    return {
+        "label": run.label,
+        "metric": run.metric,
+        "group": _group_key(run),
+        "predicted": pred,
+        "measured": run.measured,
+        "error_pct": (pred / run.measured - 1) * 100 if run.measured else None,
+        "fits": est.fits if fits is None else fits,
+        "micro_batch": plan.micro_batch_size,
+        "virtual_stages": plan.virtual_stages,
+        "recompute": plan.recompute,
+        "searched": run.knobs is not None,
+        "compute_source": est.compute_source,
+    }
 
 
-def _fold(i: int, runs: list[Run], fixed: list[Run], params: CostParams) -> CostParams:
-    """Returns ``params`` refitted without row ``i`` (only its GPU type's parameters)."""
+def _cold_fold(i: int, runs: list[Run], start: CostParams) -> dict[str, Any] | None:
+    """Returns row ``i`` predicted by terms fitted from their priors on the other measured
+    rows of its GPU type (knobs chosen with those terms), or None for an OOM row."""
     run = runs[i]
     if run.measured is None:
-        return params
+        return None
     gpu = _gpu_of(run)
-    group = [r for j, r in enumerate(fixed) if j != i and r.measured is not None
+    group = [r for j, r in enumerate(runs) if j != i and r.measured is not None
              and _gpu_of(r) == gpu]  # fmt: skip
-    if not group:
-        return params
-    return params.with_gpu(gpu, _fit_gpu(group, params, gpu, LOO_MAX_EVALUATIONS))
+    held = fit(group, start) if group else start
+    return _row(run, held)
+
+
+def in_sample(runs: list[Run], params: CostParams) -> dict[str, Any]:
+    """Returns, per source file, the error of ``params`` on every row (rows in the fit)."""
+    rows: dict[str, list[dict[str, Any]]] = {}
+    for run in runs:
+        rows.setdefault(run.source, []).append(_row(run, params))
+    return {src: {**_summary(r, loo=False), "rows": r} for src, r in rows.items()}
 
 
 def leave_one_out(
-    runs: list[Run], params: CostParams | None = None, workers: int | None = None
+    runs: list[Run],
+    params: CostParams | None = None,
+    workers: int | None = None,
+    start: CostParams | None = None,
 ) -> dict[str, Any]:
-    """Returns, per source file, the leave-one-out error: each measured row is predicted by
-    parameters refitted without it (warm-started from the fit on all rows, ``params``);
-    the folds run in ``workers`` processes (default: one per CPU)."""
-    params = params or fit(runs)
-    fixed = [resolve(r, params) if r.measured is not None else r for r in runs]
+    """Returns, per source file, the cold leave-one-out error: each measured row predicted
+    by terms fitted from scratch without it (``start`` brings the profile, if any); the
+    folds run in ``workers`` processes (default: one per CPU). ``params`` (the fit on all
+    rows) classifies memory: the reserve refitted without the row flags it or not."""
+    start = start or CostParams()
+    params = params or fit(runs, start)
     n = len(runs)
     workers = workers or os.cpu_count() or 1
     if workers > 1 and n > 4:
         with ProcessPoolExecutor(workers) as pool:
-            folds = list(pool.map(_fold, range(n), [runs] * n, [fixed] * n, [params] * n))
+            folds = list(pool.map(_cold_fold, range(n), [runs] * n, [start] * n))
     else:
-        folds = [_fold(i, runs, fixed, params) for i in range(n)]
-    # memory leave-one-out: the reserve refitted without the row classifies it
+        folds = [_cold_fold(i, runs, start) for i in range(n)]
     slack = {i: memory_slack_bytes(r, params) for i, r in enumerate(runs) if r.plan}
     held_reserve = {
         i: fit_reserve_bytes(
@@ -273,25 +406,13 @@ def leave_one_out(
         for i in slack
     }
     rows: dict[str, list[dict[str, Any]]] = {}
-    for i, (run, held) in enumerate(zip(runs, folds, strict=True)):
-        resolved = resolve(run, held)
-        assert resolved.plan is not None
-        est = estimate(resolved.plan, run.model, run.cluster, held, validate=False)
-        pred = run.predict(est)
-        plan = resolved.plan
-        rows.setdefault(run.source, []).append({
-            "label": run.label,
-            "metric": run.metric,
-            "predicted": pred,
-            "measured": run.measured,
-            "error_pct": (pred / run.measured - 1) * 100 if run.measured else None,
-            "fits": held_reserve[i] <= slack[i] if i in slack else est.fits,
-            "micro_batch": plan.micro_batch_size,
-            "virtual_stages": plan.virtual_stages,
-            "recompute": plan.recompute,
-            "searched": run.knobs is not None,
-        })  # fmt: skip
-    return {src: {**_summary(r), "rows": r} for src, r in rows.items()}
+    for i, (run, row) in enumerate(zip(runs, folds, strict=True)):
+        if row is None:  # OOM row: nothing to predict, only whether it is flagged
+            row = _row(run, params)
+        if i in slack:
+            row["fits"] = held_reserve[i] <= slack[i]
+        rows.setdefault(run.source, []).append(row)
+    return {src: {**_summary(r, loo=True), "rows": r} for src, r in rows.items()}
 
 
 def calibrate_file(path: Path, out_path: Path | None = None) -> tuple[CostParams, dict[str, Any]]:
@@ -309,9 +430,12 @@ def shipped_files() -> list[Path]:
     return [root / "megatron_homogeneous.csv", root / "amp_t4_homogeneous.csv"]
 
 
-def calibrate_runs(runs: list[Run]) -> tuple[CostParams, dict[str, Any]]:
-    """Returns parameters fitted to ``runs`` (their ``fit_report`` set) and the LOO report."""
-    params = fit(runs)
-    report = leave_one_out(runs, params)
+def calibrate_runs(
+    runs: list[Run], start: CostParams | None = None, workers: int | None = None
+) -> tuple[CostParams, dict[str, Any]]:
+    """Returns parameters fitted to ``runs`` (their ``fit_report`` set: fitted terms and the
+    cold leave-one-out summary per file) and the LOO report."""
+    params = fit(runs, start)
+    report = leave_one_out(runs, params, workers, start)
     summary = {src: {k: v for k, v in r.items() if k != "rows"} for src, r in report.items()}
-    return replace(params, fit_report=summary), report
+    return replace(params, fit_report={**params.fit_report, "loo": summary}), report

@@ -70,7 +70,7 @@ def group_allreduce_s(
         nodes[name].network_bytes_per_s / max(conc.get(name, local), 1)
         for name, local in per_node.items()
     )
-    eff = min(params.link_efficiency_of(n.gpu.name) for n in nodes.values())
+    eff = min(params.network_efficiency_of(n.gpu.name) for n in nodes.values())
     inter = ring_allreduce_bytes(shard, num_nodes) / (share * eff)
     latency = 2 * (num_nodes - 1) * params.inter_latency_s
     # NCCL pipelines chunks through the intra- and inter-node hops at once: the slower
@@ -90,6 +90,8 @@ def p2p_s(
     if src.name == dst.name:
         eff = params.link_efficiency_of(src.gpu.name)
         return size_bytes / (src.intra_node_bytes_per_s * eff) + params.intra_latency_s
-    eff = min(params.link_efficiency_of(src.gpu.name), params.link_efficiency_of(dst.gpu.name))
+    eff = min(
+        params.network_efficiency_of(src.gpu.name), params.network_efficiency_of(dst.gpu.name)
+    )
     bw = min(src.network_bytes_per_s, dst.network_bytes_per_s) * eff
     return size_bytes * concurrency / bw + params.inter_latency_s

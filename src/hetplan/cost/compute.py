@@ -9,6 +9,7 @@ from functools import lru_cache
 from hetplan.cost.params import GPUEfficiency
 from hetplan.hardware import GPUType
 from hetplan.model import ModelSpec
+from hetplan.plan import element_bytes
 
 
 def gemm_efficiency(eff: GPUEfficiency, m: float, k: float, n: float) -> float:
@@ -36,10 +37,6 @@ class LayerTimes:
     """Forward work redone under selective recomputation (attention core)."""
 
 
-def _bytes_per_element(precision: str) -> int:
-    return 4 if precision == "fp32" else 2
-
-
 @lru_cache(maxsize=65536)
 def layer_times(
     model: ModelSpec,
@@ -61,7 +58,7 @@ def layer_times(
         model.head_dim,
     )
     tokens = float(micro_batch * s)
-    e = _bytes_per_element(precision)
+    e = element_bytes(precision)
     # weight matmuls, forward: qkv, output projection, MLP
     mlp_in = (2 if model.gated else 1) * f / tp
     fwd_gemm = (
@@ -108,7 +105,7 @@ def embedding_times(
     model: ModelSpec, gpu: GPUType, eff: GPUEfficiency, tp: int, micro_batch: int, precision: str
 ) -> LayerTimes:
     """Returns the compute times of the input embedding for one micro-batch."""
-    e = _bytes_per_element(precision)
+    e = element_bytes(precision)
     tokens = float(micro_batch * model.seq)
     traffic = tokens * model.hidden * e * (3 if model.family == "gpt" else 2)
     mem_bw = gpu.hbm_bytes_per_s * eff.mem_efficiency
@@ -122,7 +119,7 @@ def head_times(
 ) -> LayerTimes:
     """Returns the compute times of the final norm, output head and loss for one micro-batch."""
     peak = gpu.peak_flops(precision)
-    e = _bytes_per_element(precision)
+    e = element_bytes(precision)
     tokens = float(micro_batch * model.seq)
     gemm = gemm_time_s(eff, peak, tokens, model.hidden, model.vocab / tp)
     # norm, then the vocab-parallel cross-entropy on fp32 logits (max, exp-sum, gather)
@@ -136,7 +133,8 @@ def optimizer_time_s(
     params_local: float, gpu: GPUType, eff: GPUEfficiency, precision: str
 ) -> float:
     """Returns the Adam step time for ``params_local`` parameters (memory-bound)."""
-    # read fp32 grad, master, m, v; write master, m, v and the low-precision copy
-    e = _bytes_per_element(precision)
-    traffic = params_local * (4 * 4 + 4 * 3 + (e if precision != "fp32" else 0))
+    # read fp32 grad, master, m, v; write master, m, v and the low-precision copy (none when
+    # the weights are stored in fp32: fp32 and tf32)
+    e = element_bytes(precision)
+    traffic = params_local * (4 * 4 + 4 * 3 + (0 if e == 4 else e))
     return traffic / (gpu.hbm_bytes_per_s * eff.mem_efficiency)

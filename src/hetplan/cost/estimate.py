@@ -4,17 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from itertools import pairwise
-from typing import Any, Protocol
+from typing import Any
 
 from hetplan.cluster import Cluster, Node
 from hetplan.cost import comm
-from hetplan.cost.compute import (
-    LayerTimes,
-    embedding_times,
-    head_times,
-    layer_times,
-    optimizer_time_s,
-)
 from hetplan.cost.memory import (
     MemoryBreakdown,
     stage_activation_bytes,
@@ -24,28 +17,11 @@ from hetplan.cost.memory import (
 )
 from hetplan.cost.params import CostParams, default_params
 from hetplan.cost.schedule import Replay, peak_in_flight, pipeline_replay, replay
+from hetplan.cost.sources import ComputeSource, LayerTimeSource, combine_sources
+from hetplan.cost.trust import warnings_for
 from hetplan.hardware import GPUType
 from hetplan.model import ModelSpec
-from hetplan.plan import Plan, validate_plan
-
-
-class LayerTimeSource(Protocol):
-    """Measured per-layer times (a profile database), consulted before the analytical model.
-
-    A source may also offer, and ``estimate`` then uses where they return a value:
-    ``part_times(gpu, model, part, tp, micro_batch, precision) -> LayerTimes | None`` for
-    part "embed", "head" (with loss) or "tp_comm" (one layer's TP collectives);
-    ``optimizer_step_s(gpu, model, part, tp, precision) -> float | None`` for part "layer",
-    "embed" or "head"; ``link_figures(gpu, kind) -> (latency_s, bytes_per_s) | None`` for
-    kind "p2p" (between devices of one node), "allreduce" (ring step latency, bus rate) and
-    "pipeline" (the pipelining runtime's overhead per forward or backward action).
-    """
-
-    def layer_times(
-        self, gpu: GPUType, model: ModelSpec, tp: int, micro_batch: int, precision: str
-    ) -> LayerTimes | None:
-        """Returns measured times of one transformer layer, or None if not profiled."""
-        ...
+from hetplan.plan import Plan, element_bytes, validate_plan
 
 
 @dataclass
@@ -68,6 +44,12 @@ class StageEstimate:
     capacity_bytes: float
     grad_sync_s: float = 0.0
     optimizer_s: float = 0.0
+    overhead_s: float = 0.0
+    """Fixed per-micro-batch cost (all chunks, forward and backward), inside forward_s and
+    backward_s."""
+    compute_source: str = "analytical"
+    """Where the stage's compute times came from: measured, interpolated, scaled or
+    analytical (the least trustworthy of its pieces)."""
     busy_s: float = 0.0
     last_backward_end_s: float = 0.0
     sync_end_s: float = 0.0
@@ -102,6 +84,11 @@ class Estimate:
     compute_source: str
     bottleneck: str
     replays: list[Replay] = field(default_factory=list, repr=False)
+    peak_used: dict[str, str] = field(default_factory=dict)
+    """Per GPU type: which datasheet peak the compute model and the MFU use."""
+    warnings: list[str] = field(default_factory=list)
+    """Why the prediction deserves less trust (uncalibrated GPU, regime no measured run
+    covers, MFU above the best measured); filled by ``hetplan.cost.trust``."""
 
     @property
     def peak_memory_bytes(self) -> dict[str, float]:
@@ -123,32 +110,32 @@ class Estimate:
             "breakdown": self.breakdown,
             "pipeline_times_s": self.pipeline_times_s,
             "compute_source": self.compute_source,
+            "stages": [
+                {
+                    "pipeline": st.pipeline,
+                    "stage": st.stage,
+                    "gpu": st.gpu,
+                    "layers": st.layers,
+                    "compute_source": st.compute_source,
+                }
+                for st in self.stages
+            ],
+            "peak_used": self.peak_used,
             "bottleneck": self.bottleneck,
+            "warnings": self.warnings,
         }
 
 
-def _elem_bytes(precision: str) -> int:
-    return 4 if precision == "fp32" else 2
+class _Links:
+    """Collectives and sends: measured figures of the profile where it has them, else the
+    alpha-beta model of ``comm``."""
 
-
-class _Measured:
-    """The optional measurements of a LayerTimeSource, looked up once per estimate."""
-
-    def __init__(self, source: LayerTimeSource | None) -> None:
+    def __init__(self, source: ComputeSource) -> None:
         self.source = source
-        self.memo: dict[tuple[Any, ...], Any] = {}
-
-    def get(self, method: str, *args: Any) -> Any:
-        """Returns ``source.method(*args)``, or None if the source has no such method."""
-        key = (method, *args)
-        if key not in self.memo:
-            fn = getattr(self.source, method, None)
-            self.memo[key] = fn(*args) if fn is not None else None
-        return self.memo[key]
 
     def allreduce_s(self, size: float, n: int, node: Node, params: CostParams) -> float:
         """Returns an all-reduce among ``n`` devices of ``node``: measured ring if profiled."""
-        ring = self.get("link_figures", node.gpu, "allreduce")
+        ring = self.source.ask("link_figures", node.gpu, "allreduce")
         if ring is None or n <= 1:
             return comm.intra_node_allreduce_s(size, n, node, params)
         return comm.ring_allreduce_bytes(size, n) / ring[1] + 2 * (n - 1) * ring[0]
@@ -168,7 +155,7 @@ class _Measured:
 
     def p2p_s(self, size: float, src: Node, dst: Node, params: CostParams, conc: int) -> float:
         """Returns comm.p2p_s, measured inside one profiled node."""
-        link = self.get("link_figures", src.gpu, "p2p")
+        link = self.source.ask("link_figures", src.gpu, "p2p")
         if link is None or src.name != dst.name or size <= 0:
             return comm.p2p_s(size, src, dst, params, concurrency=conc)
         return link[0] + size / link[1]
@@ -191,15 +178,16 @@ def _stage_times(
     key: _StageKey,
     node: Node,
     params: CostParams,
-    profile: LayerTimeSource | None,
-    meas: _Measured | None = None,
-) -> tuple[float, float, float, float, bool]:
-    """Returns (forward, backward, recompute, tp_comm) per micro-batch and whether profiled."""
-    gpu, tp, mb = key.gpu, key.tp, plan.micro_batch_size
+    links: _Links,
+) -> tuple[float, float, float, float, float, str]:
+    """Returns (forward, backward, recompute, tp_comm, overhead) per micro-batch and where
+    the compute times came from."""
+    gpu, tp, mb, prec = key.gpu, key.tp, plan.micro_batch_size, plan.precision
     eff = params.gpu(gpu.name)
-    meas = meas or _Measured(profile)
-    measured = profile.layer_times(gpu, model, tp, mb, plan.precision) if profile else None
-    lt = measured or layer_times(model, gpu, eff, tp, mb, plan.precision, plan.flash_attention)
+    src: ComputeSource = params.compute
+    layer = src.layer(model, gpu, params, tp, mb, prec, plan.flash_attention)
+    lt = layer.times
+    sources = [layer.source] if key.layers else []
     fwd = key.layers * lt.forward_s
     bwd = key.layers * lt.backward_s
     if plan.recompute == "full":
@@ -209,26 +197,31 @@ def _stage_times(
     else:
         rc = 0.0
     if key.first:
-        et = meas.get("part_times", gpu, model, "embed", tp, mb, plan.precision)
-        et = et or embedding_times(model, gpu, eff, tp, mb, plan.precision)
-        fwd += et.forward_s
-        bwd += et.backward_s
+        et = src.embedding(model, gpu, params, tp, mb, prec, plan.flash_attention)
+        fwd += et.times.forward_s
+        bwd += et.times.backward_s
+        sources.append(et.source)
     if key.last:
-        ht = meas.get("part_times", gpu, model, "head", tp, mb, plan.precision)
-        ht = ht or head_times(model, gpu, eff, tp, mb, plan.precision)
-        fwd += ht.forward_s
-        bwd += ht.backward_s
-    over = meas.get("link_figures", gpu, "pipeline")
+        ht = src.head(model, gpu, params, tp, mb, prec, plan.flash_attention)
+        fwd += ht.times.forward_s
+        bwd += ht.times.backward_s
+        sources.append(ht.source)
+    v = plan.virtual_stages
+    over = src.ask("link_figures", gpu, "pipeline")
     if over is not None:  # the pipelining runtime's cost per action, on each of v chunks
-        fwd += plan.virtual_stages * over[0]
-        bwd += plan.virtual_stages * over[0]
-    act = mb * model.seq * model.hidden * _elem_bytes(plan.precision)
-    lc = meas.get("part_times", gpu, model, "tp_comm", tp, mb, plan.precision) if tp > 1 else None
-    if lc is not None:  # one layer's collectives as measured (embedding and head replicated)
+        fwd += v * over[0]
+        bwd += v * over[0]
+    # the fixed cost of each micro-batch on each chunk (framework, launches, handshakes)
+    overhead = v * eff.microbatch_overhead_s
+    fwd += overhead / 2
+    bwd += overhead / 2
+    act = mb * model.seq * model.hidden * element_bytes(prec)
+    lc = src.ask("part_times", gpu, model, "tp_comm", tp, mb, prec) if tp > 1 else None
+    if lc is not None:  # one layer's collectives as measured (zero: inside the layer times)
         full = plan.recompute == "full"
         tp_comm = key.layers * (lc.forward_s + lc.backward_s + (lc.forward_s if full else 0.0))
     else:
-        one = meas.allreduce_s(act, tp, node, params)
+        one = links.allreduce_s(act, tp, node, params)
         n_ar = 4 * key.layers + (2 * key.layers if plan.recompute == "full" else 0)
         n_ar += (1 if key.first else 0) + (1 if key.last else 0)
         tp_comm = n_ar * one
@@ -236,7 +229,7 @@ def _stage_times(
         # Megatron-Core/TE split the TP matmuls into chunks whose collectives run under the
         # neighbouring chunks' math: only what exceeds the compute stays exposed
         tp_comm = max(0.0, tp_comm - (fwd + bwd + rc))
-    return fwd, bwd, rc, tp_comm, measured is not None
+    return fwd, bwd, rc, tp_comm, overhead, combine_sources(sources)
 
 
 def zero3_exposed_s(gather_s: float, compute_s: float) -> float:
@@ -283,6 +276,8 @@ def estimate(
     if validate:
         validate_plan(plan, model, cluster)
     params = params or default_params()
+    if profile is not None:
+        params = params.with_profile(profile)
     dp = plan.dp
     v = plan.virtual_stages
     # data-parallel gradient sync, segment by segment among the stages holding each layer
@@ -312,8 +307,7 @@ def estimate(
                 dp_members[h] = per_rank[0]
     gather_memo: dict[tuple[int, float], float] = {}
     stages: list[StageEstimate] = []
-    any_profiled = False
-    meas = _Measured(profile)
+    links = _Links(params.compute)
     replays: list[Replay] = []
     pipeline_times: list[float] = []
     by_pipe: list[list[StageEstimate]] = []
@@ -329,20 +323,19 @@ def estimate(
             key = _StageKey(
                 node.gpu, node.intra_node_bytes_per_s, stage.tp, stage.layers, first, last, p == 1
             )
-            fwd, bwd, rc, tpc, prof = _stage_times(plan, model, key, node, params, profile, meas)
+            fwd, bwd, rc, tpc, over, src = _stage_times(plan, model, key, node, params, links)
             p_local = stage_params(model, stage.layers, stage.tp, first, last, p == 1)
             if plan.zero_stage == 3 and (r, j) in dp_members:
                 group = dp_members[(r, j)]
                 gkey = (id(group), p_local)
                 if gkey not in gather_memo:
-                    gather_memo[gkey] = meas.group_allreduce_s(
-                        p_local * _elem_bytes(plan.precision), group, params, concurrency
+                    gather_memo[gkey] = links.group_allreduce_s(
+                        p_local * element_bytes(plan.precision), group, params, concurrency
                     )
                 tpc += zero3_exposed_s(gather_memo[gkey], fwd + bwd)
-            any_profiled |= prof
-            act = plan.micro_batch_size * model.seq * model.hidden * _elem_bytes(plan.precision)
+            act = plan.micro_batch_size * model.seq * model.hidden * element_bytes(plan.precision)
             nxt = nodes[(j + 1) % p]
-            send = meas.p2p_s(act / stage.tp, node, nxt, params, stage.tp) if p > 1 else 0.0
+            send = links.p2p_s(act / stage.tp, node, nxt, params, stage.tp) if p > 1 else 0.0
             w, g, o = state_bytes(p_local, plan.precision, plan.zero_stage, dp)
             if plan.zero_stage == 3 and dp > 1:
                 w += zero3_working_bytes(model, stage.tp, plan.precision)
@@ -363,15 +356,10 @@ def estimate(
             mem = MemoryBreakdown(w, g, o, acts, params.memory_reserve_bytes)
             eff = params.gpu(node.gpu.name)
             shards = dp if plan.zero_stage >= 1 else 1
-            opt_s = optimizer_time_s(p_local / shards, node.gpu, eff, plan.precision)
-            parts = [("layer", stage.layers), ("embed", int(first)), ("head", int(last))]
-            steps = [
-                (meas.get("optimizer_step_s", node.gpu, model, part, stage.tp, plan.precision), k)
-                for part, k in parts
-                if k
-            ]
-            if all(t is not None for t, _ in steps):  # measured per layer, embedding, head
-                opt_s = sum(t * k for t, k in steps) / shards
+            pieces = [("layer", stage.layers), ("embed", int(first)), ("head", int(last))]
+            opt_s, _ = params.compute.optimizer_s(
+                model, node.gpu, eff, stage.tp, plan.precision, pieces, p_local, shards
+            )
             row.append(
                 StageEstimate(
                     pipeline=r,
@@ -387,6 +375,8 @@ def estimate(
                     memory=mem,
                     capacity_bytes=node.gpu.memory_bytes,
                     optimizer_s=opt_s,
+                    overhead_s=over,
+                    compute_source=src,
                 )
             )
         # chunk times: layers split evenly over v chunks; embedding on chunk 0, head on v-1
@@ -417,6 +407,7 @@ def estimate(
         stages.extend(row)
 
     sync_s: dict[tuple[int, int], float] = {}
+    exposed_s: dict[tuple[int, int], float] = {}
     ready: dict[tuple[int, int], float] = {}
     grad_bytes = 4.0
     volume = 0.5 if plan.zero_stage == 3 else 1.0
@@ -425,22 +416,30 @@ def estimate(
             continue
         tp_min = len(per_rank)
         t = max(
-            meas.group_allreduce_s(
+            links.group_allreduce_s(
                 n_params * grad_bytes / tp_min, members, params, concurrency, volume
             )
             for members in per_rank
         )
+        end = max(replays[r].last_backward_end_s[j] for r, j in holders)
+        exposed = t
         if plan.overlap_grad_reduce:
-            start = max(replays[r].last_backward_start_s[j] for r, j in holders)
-        else:
-            start = max(replays[r].last_backward_end_s[j] for r, j in holders)
+            # buckets reduce while the last backward runs: the overlappable share of the
+            # reduction hides under that backward's duration, the rest is exposed
+            window = min(
+                replays[r].last_backward_end_s[j] - replays[r].last_backward_start_s[j]
+                for r, j in holders
+            )
+            share = min(params.gpu(by_pipe[r][j].gpu).grad_overlap for r, j in holders)
+            exposed = t - min(share * t, window)
         for h in holders:
             sync_s[h] = sync_s.get(h, 0.0) + t
-            ready[h] = max(ready.get(h, 0.0), start)
+            exposed_s[h] = exposed_s.get(h, 0.0) + exposed
+            ready[h] = max(ready.get(h, 0.0), end)
     for st in stages:
         key2 = (st.pipeline, st.stage)
         st.grad_sync_s = sync_s.get(key2, 0.0)
-        st.sync_end_s = max(st.last_backward_end_s, ready.get(key2, 0.0) + st.grad_sync_s)
+        st.sync_end_s = max(st.last_backward_end_s, ready.get(key2, 0.0) + exposed_s.get(key2, 0))
         st.end_s = st.sync_end_s + st.optimizer_s
 
     crit = max(stages, key=lambda s: s.end_s)
@@ -457,6 +456,7 @@ def estimate(
         "data_parallel_sync_s": crit.sync_end_s - crit.last_backward_end_s,
         "data_parallel_sync_total_s": crit.grad_sync_s,
         "optimizer_s": crit.optimizer_s,
+        "microbatch_overhead_s": n_mb * crit.overhead_s,
     }
     tokens = plan.global_batch_size * model.seq
     n_gpus = len(plan.devices())
@@ -467,6 +467,8 @@ def estimate(
         extra = plan.global_batch_size * model.layers * model.layer_attention_flops()
     else:
         extra = 0.0
+    gpu_of = {cluster.device_node(st.devices[0]).gpu.name: cluster.device_node(st.devices[0]).gpu
+              for st in stages}  # fmt: skip
     peak_sum = sum(cluster.device_node(d).gpu.peak_flops(plan.precision) for d in plan.devices())
     price: float | None = 0.0
     for d in plan.devices():
@@ -478,7 +480,7 @@ def estimate(
         f"pipeline {crit.pipeline} stage {crit.stage} ({crit.gpu} x{len(crit.devices)}, "
         f"{crit.layers} layers)"
     )
-    return Estimate(
+    est = Estimate(
         iteration_time_s=iteration,
         breakdown=breakdown,
         stages=stages,
@@ -490,7 +492,10 @@ def estimate(
         mfu=model_flops / iteration / peak_sum,
         cost_usd_per_hour=price,
         usd_per_million_tokens=(price / (tokens_per_s * 3600) * 1e6) if price is not None else None,
-        compute_source="profiled" if any_profiled else "analytical",
+        compute_source=combine_sources([s.compute_source for s in stages]),
         bottleneck=bottleneck,
         replays=replays,
+        peak_used={st.gpu: gpu_of[st.gpu].peak_label(plan.precision) for st in stages},
     )
+    est.warnings = warnings_for(plan, est, cluster, params)
+    return est

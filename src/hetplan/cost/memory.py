@@ -7,6 +7,7 @@ import math
 from dataclasses import dataclass
 
 from hetplan.model import ModelSpec
+from hetplan.plan import element_bytes
 
 
 @dataclass(frozen=True)
@@ -50,7 +51,7 @@ def state_bytes(
     # fp32 16 / 8 + 8/d. 16-bit params use fp32 grads (18): the SC'21 fp16 runs fit in
     # 80 GB only so (GPT 1T needs 80.6 GB at 20); the 20-byte fp16-grads variant needs a
     # per-plan framework flag (plan/estimate), not added here.
-    if precision == "fp32":
+    if element_bytes(precision) == 4:  # fp32 and tf32 store fp32 weights: no master copy
         weights, model_grads, main_grads, opt = 4.0, 4.0, 0.0, 8.0
     else:
         weights, model_grads, main_grads, opt = 2.0, 4.0, 0.0, 12.0
@@ -122,5 +123,4 @@ def combine_activation_bytes(
 
 def zero3_working_bytes(model: ModelSpec, tp: int, precision: str) -> float:
     """Returns the gathered weights ZeRO-3 keeps while computing (two layers, prefetch)."""
-    e = 4 if precision == "fp32" else 2
-    return 2 * model.layer_params() / tp * e
+    return 2 * model.layer_params() / tp * element_bytes(precision)

@@ -25,17 +25,33 @@ class GPUEfficiency:
     kernel_overhead_s: float = 5e-6
     """Fixed cost per kernel launch (host-side: framework and launch latency)."""
     link_efficiency: float | None = None
-    """Fraction of nominal link bandwidth collectives reach on nodes of this type (their
-    links come with the form factor: NVLink/InfiniBand on SXM, PCIe/Ethernet on PCIe cards);
-    None: CostParams.link_efficiency."""
+    """Fraction of the nominal intra-node link bandwidth (NVLink, PCIe) that collectives and
+    sends inside a node reach on nodes of this type; None: CostParams.link_efficiency."""
+    network_efficiency: float | None = None
+    """Fraction of the nominal network bandwidth (InfiniBand, Ethernet, Slingshot) that
+    collectives and sends between nodes reach; None: the intra-node link efficiency."""
+    microbatch_overhead_s: float = 0.0
+    """Fixed time per micro-batch per stage and model chunk, split evenly between its forward
+    and its backward action: kernel launches of the framework's step, the pipeline engine's
+    bookkeeping, point-to-point handshakes (seconds)."""
+    grad_overlap: float = 1.0
+    """Fraction of the data-parallel gradient reduction that can run under the last backward
+    pass when the plan overlaps it (bucketing leaves the last bucket exposed; frameworks
+    differ); 0 = fully exposed."""
 
     def __post_init__(self) -> None:
         if not 0 < self.gemm_max <= 1 or not 0 < self.mem_efficiency <= 1:
             raise InputError("calibration", "efficiencies must lie in (0, 1]")
-        if self.link_efficiency is not None and not 0 < self.link_efficiency <= 1:
-            raise InputError("calibration", "link efficiency must lie in (0, 1]")
+        for name in ("link_efficiency", "network_efficiency"):
+            value = getattr(self, name)
+            if value is not None and not 0 < value <= 1:
+                raise InputError(f"calibration.{name}", "must lie in (0, 1]")
         if self.gemm_half_dim < 0 or self.kernel_overhead_s < 0:
             raise InputError("calibration", "half dimension and overhead must be >= 0")
+        if self.microbatch_overhead_s < 0:
+            raise InputError("calibration.microbatch_overhead_s", "must be >= 0")
+        if not 0 <= self.grad_overlap <= 1:
+            raise InputError("calibration.grad_overlap", "must lie in [0, 1]")
 
 
 @dataclass(frozen=True)
@@ -54,6 +70,26 @@ class CostParams:
     allocator fragmentation, datasheet-vs-visible capacity; fitted by ``calibrate`` as the
     largest value with which every measured run still fits (OOM rows then flagged)."""
     fit_report: dict[str, Any] = field(default_factory=dict, compare=False)
+    compute: Any = field(default=None, compare=False, repr=False)
+    """Where compute times come from (a ``hetplan.cost.sources.ComputeSource``): measured
+    profile first, analytical otherwise; set with ``with_profile``, not saved."""
+
+    def __post_init__(self) -> None:
+        if self.compute is None:
+            from hetplan.cost.sources import ComputeSource
+
+            object.__setattr__(self, "compute", ComputeSource(None))
+
+    def with_profile(self, profile: Any) -> CostParams:
+        """Returns a copy whose compute and link figures come from ``profile`` first."""
+        from hetplan.cost.sources import ComputeSource
+
+        return replace(self, compute=ComputeSource(profile))
+
+    @property
+    def profile(self) -> Any:
+        """Returns the measured profile in use, or None."""
+        return self.compute.profile
 
     def gpu(self, name: str) -> GPUEfficiency:
         """Returns the efficiency parameters of GPU type ``name``."""
@@ -63,6 +99,11 @@ class CostParams:
         """Returns the link efficiency on nodes of GPU type ``gpu_name``."""
         own = self.gpu(gpu_name).link_efficiency
         return self.link_efficiency if own is None else own
+
+    def network_efficiency_of(self, gpu_name: str) -> float:
+        """Returns the network (between nodes) efficiency on nodes of GPU type ``gpu_name``."""
+        own = self.gpu(gpu_name).network_efficiency
+        return self.link_efficiency_of(gpu_name) if own is None else own
 
     def with_gpu(self, name: str, eff: GPUEfficiency) -> CostParams:
         """Returns a copy with ``eff`` for GPU type ``name``."""
@@ -108,7 +149,8 @@ def default_params() -> CostParams:
     """Returns the parameters fitted on the shipped calibration data."""
     res = resources.files("hetplan.data").joinpath("calibration.json")
     if not res.is_file():
-        return CostParams()
+        # a wheel without its fit would predict with priors and say nothing: refuse
+        raise InputError("calibration", "the package's data/calibration.json is missing")
     return CostParams.from_dict(json.loads(res.read_text()))
 
 

@@ -245,8 +245,89 @@ def _generic_run(row: _Row, source: str) -> Run:
     return Run(source, model.name, model, cluster, metric, value, plan)
 
 
+_SAILOR_MODEL = "opt-350m"
+"""The catalog model of Sailor's OPT-350 runs (24 x 1024, 16 heads, seq 2048)."""
+
+
+def _sailor_run(row: _Row, source: str) -> Run:
+    from hetplan.model import load_model
+
+    model = load_model(_SAILOR_MODEL)
+    nodes, gpn = row.integer("nodes"), row.integer("gpus_per_node")
+    tp, pp, dp = row.integer("tp"), row.integer("pp"), row.integer("dp")
+    raw = row.text("layers_per_stage")
+    try:
+        split = [int(x) for x in raw.split("/")]
+    except ValueError:
+        raise InputError(
+            "layers_per_stage", f"{row.where}: expected 4/7/7/6, got {raw!r}"
+        ) from None
+    if len(split) != pp or sum(split) != model.layers:
+        raise InputError("layers_per_stage", f"{row.where}: {raw!r} is not {pp} stages of "
+                         f"{model.layers} layers")  # fmt: skip
+    cluster = _cluster(row.text("gpu_type"), nodes, gpn)
+    # fp32 training in an NGC container: matmuls on TF32 tensor cores (see the data README);
+    # DeepSpeed's engine reduces gradients after the backward pass, without overlap
+    base = uniform_plan(cluster, model.layers, tp, pp, dp, row.integer("mbs"), row.integer("gbs"),
+                        precision=row.text("precision", "tf32"), recompute="none",
+                        schedule="1F1B", flash_attention=False,
+                        overlap_grad_reduce=False)  # fmt: skip
+    pipes = tuple(
+        Pipeline(
+            p.batch_size, tuple(Stage(n, s.devices) for n, s in zip(split, p.stages, strict=True))
+        )
+        for p in base.pipelines
+    )
+    return Run(source, row.text("plan"), model, cluster, "iter_time_s",
+               row.number("measured_s"), replace(base, pipelines=pipes))  # fmt: skip
+
+
+def _manifest_runs(path: Path) -> list[Run]:
+    """Returns the runs of a YAML/JSON manifest: plan files (any asymmetric plan) with the
+    model, the cluster and the measured iteration time."""
+    import yaml
+
+    from hetplan.cluster import load_cluster
+    from hetplan.model import load_model
+    from hetplan.plan import load_plan, validate_plan
+
+    try:
+        data = yaml.safe_load(path.read_text())
+    except OSError as exc:
+        raise InputError("--runs", f"cannot read {path}: {exc.strerror}") from None
+    except yaml.YAMLError as exc:
+        raise InputError("--runs", f"{path.name} is not valid YAML: {exc}") from None
+    items = data.get("runs") if isinstance(data, dict) else None
+    if not isinstance(items, list) or not items:
+        raise InputError("runs", f"{path.name}: expected a non-empty list under 'runs'")
+    out = []
+    for i, item in enumerate(items):
+        where = f"runs[{i}]"
+        if not isinstance(item, dict):
+            raise InputError(where, "must be a mapping")
+        for key in ("plan", "model", "cluster", "measured_iter_s"):
+            if key not in item:
+                raise InputError(f"{where}.{key}", "required")
+        model = load_model(str(item["model"]), item.get("seq_len"))
+        cl_spec = str(item["cluster"])
+        cl_path = path.parent / cl_spec
+        cluster = load_cluster(str(cl_path) if cl_path.exists() else cl_spec)
+        plan_path = path.parent / str(item["plan"])
+        plan = load_plan(plan_path)
+        validate_plan(plan, model, cluster)
+        value = item["measured_iter_s"]
+        if value is not None and (not isinstance(value, int | float) or value <= 0):
+            raise InputError(f"{where}.measured_iter_s", f"must be a positive number: {value!r}")
+        out.append(Run(path.name, str(item.get("label", plan_path.stem)), model, cluster,
+                       "iter_time_s", None if value is None else float(value), plan))  # fmt: skip
+    return out
+
+
 def load_runs(path: Path) -> list[Run]:
-    """Returns the runs of a CSV file in any of the three formats (see the module doc)."""
+    """Returns the runs of a file: a CSV in any of the formats of the module doc (Megatron,
+    AMP, Sailor's measured plans, generic), or a YAML/JSON manifest of plan files."""
+    if path.suffix.lower() in (".yaml", ".yml", ".json"):
+        return _manifest_runs(path)
     try:
         text = path.read_text()
     except OSError as exc:
@@ -257,6 +338,8 @@ def load_runs(path: Path) -> list[Run]:
         parse = _megatron_run
     elif {"layer_partition", "measured_iter_s"} <= header:
         parse = _amp_run
+    elif {"layers_per_stage", "measured_s", "gpu_type"} <= header:
+        parse = _sailor_run
     else:
         need = ["layers", "hidden", "heads", "ffn", "vocab", "seq", "gpu", "nodes",
                 "gpus_per_node", "tp", "pp", "dp", "micro_batch", "global_batch"]  # fmt: skip

@@ -39,7 +39,7 @@ def megatron_args(plan: Plan, model: ModelSpec) -> list[str]:
         f"--ffn-hidden-size={model.ffn}",
         f"--seq-length={model.seq}",
         f"--max-position-embeddings={model.seq}",
-        f"--{plan.precision}" if plan.precision != "fp32" else "",
+        f"--{plan.precision}" if plan.precision in ("bf16", "fp16") else "",
     ]
     if model.kv_heads != model.heads:
         args += ["--group-query-attention", f"--num-query-groups={model.kv_heads}"]

@@ -63,6 +63,7 @@ class Trainer:
         self.tp_group = groups[place.tp_ranks] if place.tp > 1 else None
         self.sync = [(g, groups[g.ranks]) for g in self.layout.sync_groups if self.rank in g.ranks]
         self.device = _device(cfg.device)
+        _set_matmul_precision(self.plan.precision, self.device)
         self.modules = []
         for c in place.chunks:
             m = StageModel(self.model, c, place.tp, place.tp_index, self.tp_group)
@@ -151,6 +152,14 @@ def _device(name: str) -> torch.device:
     if name == "cpu" or (name == "auto" and not torch.cuda.is_available()):
         return torch.device("cpu")
     return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+
+
+def _set_matmul_precision(precision: str, device: torch.device) -> None:
+    """Lets fp32 matmuls use TF32 tensor cores for tf32 plans and forbids it for fp32 plans."""
+    if device.type != "cuda" or precision not in ("fp32", "tf32"):
+        return  # on CPU tf32 is fp32 math
+    torch.backends.cuda.matmul.allow_tf32 = precision == "tf32"
+    torch.backends.cudnn.allow_tf32 = precision == "tf32"
 
 
 def train(cfg: RunConfig) -> dict[str, Any]:

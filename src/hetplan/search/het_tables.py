@@ -13,10 +13,10 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from hetplan.cost import comm
-from hetplan.cost.compute import embedding_times, head_times, layer_times
 from hetplan.cost.memory import stage_activation_bytes, stage_params, state_bytes
 from hetplan.cost.params import CostParams
 from hetplan.model import ModelSpec
+from hetplan.plan import element_bytes
 from hetplan.search.grouping import DeviceClass
 from hetplan.search.partition import Partition, uniform_frontier
 
@@ -44,6 +44,8 @@ class ClassTable:
     """One transformer layer, forward + backward + recomputation + TP all-reduces."""
     embedding_s: float
     head_s: float
+    overhead_s: float
+    """The fixed cost per micro-batch of any stage of this class (CostParams)."""
     send_intra_s: float
     send_inter_s: float
     groups: int
@@ -85,20 +87,24 @@ def class_table(
     node = cls.nodes[0]
     eff = params.gpu(cls.gpu.name)
     mb, prec = knobs.micro_batch, knobs.precision
-    lt = layer_times(model, cls.gpu, eff, tp, mb, prec, knobs.flash_attention)
+    src = params.compute
+    lt = src.layer(model, cls.gpu, params, tp, mb, prec, knobs.flash_attention).times
     rc = {"none": 0.0, "selective": lt.selective_recompute_s, "full": lt.forward_s}
-    act = mb * model.seq * model.hidden * (4 if prec == "fp32" else 2)
+    act = mb * model.seq * model.hidden * element_bytes(prec)
     ar = comm.intra_node_allreduce_s(act, tp, node, params)
+    if src.tp_comm_included(cls.gpu, model, tp, mb, prec):
+        ar = 0.0
     n_ar = 4 + (2 if knobs.recompute == "full" else 0)
     peer = replace(node, name=node.name + "~peer")  # another node with the same links
-    et = embedding_times(model, cls.gpu, eff, tp, mb, prec)
-    ht = head_times(model, cls.gpu, eff, tp, mb, prec)
+    et = src.embedding(model, cls.gpu, params, tp, mb, prec, knobs.flash_attention).times
+    ht = src.head(model, cls.gpu, params, tp, mb, prec, knobs.flash_attention).times
     return ClassTable(
         cls=cls,
         tp=tp,
         layer_s=lt.forward_s + lt.backward_s + rc[knobs.recompute] + n_ar * ar,
         embedding_s=et.forward_s + et.backward_s + ar,
         head_s=ht.forward_s + ht.backward_s + ar,
+        overhead_s=eff.microbatch_overhead_s,
         send_intra_s=comm.p2p_s(act / tp, node, node, params),
         send_inter_s=comm.p2p_s(act / tp, node, peer, params, concurrency=tp),
         groups=len(cls.groups(tp)),
@@ -127,6 +133,7 @@ class StageArrays:
         self.layer_s = np.array([t.layer_s for t in tables])
         self.embedding_s = np.array([t.embedding_s for t in tables])
         self.head_s = np.array([t.head_s for t in tables])
+        self.overhead_s = np.array([t.overhead_s for t in tables])
         self.intra_s = np.array([t.send_intra_s for t in tables])
         self.inter_s = np.array([t.send_inter_s for t in tables])
         self.pair_in_node = np.array([t.cls.gpus_per_node >= 2 * t.tp for t in tables])
@@ -144,7 +151,7 @@ class StageArrays:
         p = len(seq)
         k = np.asarray(seq, dtype=np.int64)
         tau = self.layer_s[k]
-        fixed = np.zeros(p)
+        fixed = self.overhead_s[k].astype(float)
         fixed[0] += self.embedding_s[k[0]]
         fixed[-1] += self.head_s[k[-1]]
         caps = self.caps(p)[k, np.arange(p)]

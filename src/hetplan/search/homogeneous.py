@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from hetplan.cluster import Cluster
 from hetplan.cost import comm
-from hetplan.cost.compute import embedding_times, head_times, layer_times, optimizer_time_s
+from hetplan.cost.compute import optimizer_time_s
 from hetplan.cost.estimate import Estimate, estimate, zero3_exposed_s
 from hetplan.cost.memory import (
     combine_activation_bytes,
@@ -21,7 +21,7 @@ from hetplan.cost.params import CostParams, default_params
 from hetplan.cost.schedule import peak_in_flight
 from hetplan.errors import InputError
 from hetplan.model import ModelSpec
-from hetplan.plan import Plan
+from hetplan.plan import Plan, element_bytes
 from hetplan.search.layout import even_layer_split, uniform_plan
 
 FINALIST_MARGIN = 1.15
@@ -179,19 +179,21 @@ class _Scorer:
             return hit
         node = cluster.nodes[0]
         gpu = node.gpu
-        eff = params.gpu(gpu.name)
         mb = c.micro_batch
-        lt = layer_times(model, gpu, eff, c.tp, mb, precision, flash)
+        src = params.compute
+        lt = src.layer(model, gpu, params, c.tp, mb, precision, flash).times
         split = tuple(even_layer_split(model.layers, c.pp))
-        act = mb * model.seq * model.hidden * (4 if precision == "fp32" else 2)
+        act = mb * model.seq * model.hidden * element_bytes(precision)
         ar = comm.intra_node_allreduce_s(act, c.tp, node, params)
+        if src.tp_comm_included(gpu, model, c.tp, mb, precision):
+            ar = 0.0
         rc_per_layer = {"none": 0.0, "selective": lt.selective_recompute_s, "full": lt.forward_s}[
             c.recompute
         ]
         n_ar = 4 + (2 if c.recompute == "full" else 0)
         per_layer = lt.forward_s + lt.backward_s + rc_per_layer + n_ar * ar
-        et = embedding_times(model, gpu, eff, c.tp, mb, precision)
-        ht = head_times(model, gpu, eff, c.tp, mb, precision)
+        et = src.embedding(model, gpu, params, c.tp, mb, precision, flash).times
+        ht = src.head(model, gpu, params, c.tp, mb, precision, flash).times
         stage_t = [x * per_layer for x in split]
         stage_t[0] += et.forward_s + et.backward_s + ar
         stage_t[-1] += ht.forward_s + ht.backward_s + ar
@@ -282,10 +284,11 @@ class _Scorer:
         else:
             send = 0.0
         v = c.virtual_stages
-        stage_t = list(shape.stage_t)
+        per_mb = v * params.gpu(node.gpu.name).microbatch_overhead_s
+        stage_t = [t + per_mb for t in shape.stage_t]
         p_local = shape.p_first
         if c.dp > 1 and c.zero_stage == 3:
-            gather = self.dp_allreduce_s(p_local * (4 if precision == "fp32" else 2), c, 1.0)
+            gather = self.dp_allreduce_s(p_local * element_bytes(precision), c, 1.0)
             stage_t[0] += zero3_exposed_s(gather, shape.split[0] * shape.layer_compute_s)
         bottleneck = max(stage_t)
         # 1F1B: m micro-batches at the bottleneck's pace plus the fill and drain of the others,

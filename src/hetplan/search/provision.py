@@ -13,14 +13,12 @@ import math
 import sys
 import time
 from dataclasses import dataclass, field, replace
-from functools import lru_cache
 
 import numpy as np
 
 from hetplan.cluster import Cluster
-from hetplan.cost.compute import head_times, layer_times
 from hetplan.cost.estimate import Estimate, estimate
-from hetplan.cost.params import CostParams, GPUEfficiency, default_params
+from hetplan.cost.params import CostParams, default_params
 from hetplan.hardware import GPUType
 from hetplan.market import Market, Offer
 from hetplan.model import ModelSpec
@@ -63,12 +61,11 @@ def pareto_front(points: list[Point]) -> list[Point]:
     return front
 
 
-@lru_cache(maxsize=1024)
 def best_compute_efficiency(
     model: ModelSpec,
     gpu: GPUType,
     gpus_per_node: int,
-    eff: GPUEfficiency,
+    params: CostParams,
     precision: str,
     flash: bool = True,
 ) -> float:
@@ -77,24 +74,30 @@ def best_compute_efficiency(
     Every plan's per-GPU compute takes at least its share of the FLOPs at this efficiency,
     so it bounds the time of any plan from below.
     """
-    peak = gpu.peak_flops(precision)
-    best = 0.0
-    for tp in divisors(gpus_per_node):
-        for mb in (1, 2, 4, 8, 16, 32):
-            lt = layer_times(model, gpu, eff, tp, mb, precision, flash)
-            layer_flops = 3 * mb * model.layer_flops() / tp
-            best = max(best, layer_flops / ((lt.forward_s + lt.backward_s) * peak))
-            ht = head_times(model, gpu, eff, tp, mb, precision)
-            head_flops = 3 * mb * model.head_flops() / tp
-            best = max(best, head_flops / ((ht.forward_s + ht.backward_s) * peak))
-    return best
+    src = params.compute
+
+    def best_of() -> float:
+        peak = gpu.peak_flops(precision)
+        best = 0.0
+        for tp in divisors(gpus_per_node):
+            for mb in (1, 2, 4, 8, 16, 32):
+                lt = src.layer(model, gpu, params, tp, mb, precision, flash).times
+                layer_flops = 3 * mb * model.layer_flops() / tp
+                best = max(best, layer_flops / ((lt.forward_s + lt.backward_s) * peak))
+                ht = src.head(model, gpu, params, tp, mb, precision, flash).times
+                head_flops = 3 * mb * model.head_flops() / tp
+                best = max(best, head_flops / ((ht.forward_s + ht.backward_s) * peak))
+        return best
+
+    key = ("best_efficiency", model, gpu, gpus_per_node, params.gpu(gpu.name), precision, flash)
+    return float(src.cached(key, best_of))
 
 
 def _efficiency(
     model: ModelSpec, offer: Offer, precision: str, params: CostParams, flash: bool
 ) -> float:
     return best_compute_efficiency(
-        model, offer.gpu, offer.gpus_per_node, params.gpu(offer.gpu.name), precision, flash
+        model, offer.gpu, offer.gpus_per_node, params, precision, flash
     )
 
 

@@ -54,7 +54,7 @@ def plan(
     inputs: str | None = typer.Option(
         None, "--inputs", help="factory arguments, e.g. batch=16,seq=128"
     ),
-    precision: str = typer.Option("fp16", "--precision"),
+    precision: str = typer.Option("fp16", "--precision", help="fp32, tf32, bf16 or fp16"),
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
     """Synthesise a program and print it with ratios and DP-EV / DP-CP baselines."""

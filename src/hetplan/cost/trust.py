@@ -1,0 +1,88 @@
+"""Trust signals: what the measured runs behind the fitted terms cover, and the warnings
+an estimate carries when it leaves that ground (never silent).
+
+Coverage is recorded per GPU type by ``calibrate`` (``CostParams.fit_report["coverage"]``)
+from the measured runs it fitted: the parallel degrees, ZeRO stages, precisions and
+scale they span, and the best MFU any of them reached.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from hetplan.cluster import Cluster
+    from hetplan.cost.estimate import Estimate
+    from hetplan.cost.params import CostParams
+    from hetplan.plan import Plan
+
+
+MFU_SLACK = 1.02
+"""An MFU this much above the best measured one is flagged (2%: the spread of repeated
+measurements of one run)."""
+
+
+def plan_regime(plan: Plan) -> dict[str, Any]:
+    """Returns the regime of a plan: its largest TP and PP, ZeRO stage, precision, GPUs."""
+    return {
+        "tp": max(s.tp for p in plan.pipelines for s in p.stages),
+        "pp": max(len(p.stages) for p in plan.pipelines),
+        "zero": plan.zero_stage,
+        "precision": plan.precision,
+        "gpus": len(plan.devices()),
+    }
+
+
+def add_coverage(cov: dict[str, Any], plan: Plan, measured_mfu: float) -> dict[str, Any]:
+    """Returns ``cov`` (one GPU type's coverage) extended by a measured run of ``plan``."""
+    r = plan_regime(plan)
+    return {
+        "tp": sorted(set(cov.get("tp", [])) | {r["tp"]}),
+        "pp": sorted(set(cov.get("pp", [])) | {r["pp"]}),
+        "zero": sorted(set(cov.get("zero", [])) | {r["zero"]}),
+        "precision": sorted(set(cov.get("precision", [])) | {r["precision"]}),
+        "max_gpus": max(cov.get("max_gpus", 0), r["gpus"]),
+        "best_mfu": max(cov.get("best_mfu", 0.0), measured_mfu),
+        "runs": cov.get("runs", 0) + 1,
+    }
+
+
+def warnings_for(plan: Plan, est: Estimate, cluster: Cluster, params: CostParams) -> list[str]:
+    """Returns why ``est`` deserves less trust: uncalibrated GPU types, a regime no measured
+    run covers, an MFU above the best measured."""
+    out: list[str] = []
+    coverage: dict[str, Any] = params.fit_report.get("coverage", {})
+    regime = plan_regime(plan)
+    gpus = {cluster.device_node(d).gpu.name for d in plan.devices()}
+    measured_gpus = {s.gpu for s in est.stages if s.compute_source in ("measured", "interpolated")}
+    best_any = max((c.get("best_mfu", 0.0) for c in coverage.values()), default=0.0)
+    for name in sorted(gpus):
+        cov = coverage.get(name)
+        if name not in params.gpus and name not in measured_gpus:
+            out.append(
+                f"{name} has no fitted parameters and no profile: default efficiencies "
+                "(use hetplan calibrate or --profile)"
+            )
+        if cov is None:
+            continue
+        gaps = []
+        if regime["tp"] > max(cov["tp"]):
+            gaps.append(f"TP {regime['tp']} (runs reach TP {max(cov['tp'])})")
+        if regime["pp"] > max(cov["pp"]):
+            gaps.append(f"PP {regime['pp']} (runs reach PP {max(cov['pp'])})")
+        if regime["zero"] not in cov["zero"]:
+            stages = ", ".join(str(z) for z in cov["zero"])
+            gaps.append(f"ZeRO-{regime['zero']} (runs use ZeRO {stages})")
+        if regime["precision"] not in cov["precision"]:
+            gaps.append(f"{regime['precision']} (runs use {', '.join(cov['precision'])})")
+        if regime["gpus"] > 2 * cov["max_gpus"]:
+            gaps.append(f"{regime['gpus']} GPUs (runs reach {cov['max_gpus']})")
+        if gaps:
+            out.append(f"outside the calibrated regime of {name}: " + "; ".join(gaps))
+    best = max((coverage[g]["best_mfu"] for g in gpus if g in coverage), default=best_any)
+    if best > 0 and est.mfu > best * MFU_SLACK:
+        out.append(
+            f"predicted MFU {est.mfu:.2f} is above the best measured on these GPUs "
+            f"({best:.2f}): treat as optimistic"
+        )
+    return out
