@@ -1,90 +1,137 @@
-"""Accuracy of the cost model on published runs, leave-one-out: each row is predicted by
-parameters fitted without it. Prints one table per file and a summary.
+"""Accuracy of the cost model on every shared measured set, in one table.
 
-    .venv/bin/python bench/bench_accuracy.py            # report only
+Sets: Megatron SC'21 (A100) and Megatron-Core (H100) with the published TP/PP/DP pinned
+(micro-batch and interleaving chosen by hetplan's search), AMP's 16 x T4 trials, and
+Sailor's GH200 OPT-350 runs predicted through their imported per-layer profile. For each:
+mean and worst absolute error, rank correlation, whether the plan ranked first is the
+measured best (among runs of the same job), in sample and with cold leave-one-out (each
+held-out row predicted by terms fitted from scratch without it).
+
+    .venv/bin/python bench/bench_accuracy.py            # in sample + cold LOO
+    .venv/bin/python bench/bench_accuracy.py --no-loo   # in sample only (fast)
     .venv/bin/python bench/bench_accuracy.py --write    # also refresh data/calibration.json
 """
 
 from __future__ import annotations
 
 import argparse
+import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from rich.console import Console
 from rich.table import Table
 
-from hetplan.cost.calibrate import calibrate_runs, load_runs, shipped_files
+from hetplan.cost.calibrate import fit, in_sample, leave_one_out, load_runs, shipped_files
+from hetplan.cost.params import CostParams
+from hetplan.cost.runs import Run
 
-TARGETS = {
-    "megatron_homogeneous.csv": "MAE <= 10%, every row within 20%",
-    "amp_t4_homogeneous.csv": "MAE <= 15%, Spearman >= 0.9 (AMP itself: 48% MAE, 0.93)",
-}
+SAILOR = Path(__file__).resolve().parents[1] / "src/hetplan/data/calibration/sailor_clariden_opt350"
+TARGET = "MAE <= 10%, every row <= 20%, Spearman >= 0.9 (>= 5 runs), first pick = best"
+LOO_TARGET = "MAE <= 15%, first pick within 5% of the best"
 
 
-def _row_table(name: str, rows: list[dict[str, Any]]) -> Table:
-    table = Table(title=f"{name} (leave-one-out)")
-    for col in ("run", "metric", "knobs", "predicted", "measured", "error %", "fits"):
-        table.add_column(col, justify="left" if col in ("run", "metric", "knobs") else "right")
+def sailor_profile(folder: Path) -> Any:
+    """Returns a profile DB of the GH200 OPT-350 profile and network tables, imported as a
+    user would (`hetplan profile import --format sailor --model OPT-350=opt-350m`)."""
+    from hetplan.measured.importers import import_sailor_network, import_sailor_profile
+    from hetplan.measured.profile_db import ProfileDB
+
+    db = ProfileDB(folder / "gh200.sqlite")
+    import_sailor_profile(SAILOR / "profile_opt350_gh96.json", db, {"OPT-350": "opt-350m"}, "tf32")
+    import_sailor_network(SAILOR / "network_gh96.json", db)
+    return db
+
+
+def _fmt_pick(rep: dict[str, Any]) -> str:
+    fp = rep["first_pick"]
+    if not fp.get("groups"):
+        return "-"
+    return f"{fp['best_picked']}/{fp['groups']} best, worst {fp['worst_ratio']:.3f}x"
+
+
+def _row_table(name: str, rows: list[dict[str, Any]], loo: dict[str, Any] | None) -> Table:
+    table = Table(title=name)
+    for col in ("run", "knobs", "source", "predicted", "measured", "error %", "LOO error %"):
+        table.add_column(col, justify="left" if col in ("run", "knobs", "source") else "right")
+    held = {r["label"]: r for r in loo["rows"]} if loo else {}
     for r in rows:
         knobs = f"mb={r['micro_batch']} v={r['virtual_stages']} rc={r['recompute']}"
         if r["searched"]:
             knobs += " (searched)"
         err = "OOM (measured)" if r["error_pct"] is None else f"{r['error_pct']:+.1f}"
+        h = held.get(r["label"])
         table.add_row(
-            r["label"],
-            r["metric"],
-            knobs,
-            f"{r['predicted']:.3f}",
-            "-" if r["measured"] is None else f"{r['measured']:.3f}",
-            err,
-            "yes" if r["fits"] else "no",
-        )
+            r["label"], knobs, r["compute_source"], f"{r['predicted']:.3f}",
+            "-" if r["measured"] is None else f"{r['measured']:.3f}", err,
+            "-" if h is None or h["error_pct"] is None else f"{h['error_pct']:+.1f}",
+        )  # fmt: skip
     return table
 
 
 def main() -> None:
-    """Fits on every shipped row, reports the leave-one-out error per file."""
+    """Fits every set, prints per-row tables and one summary table."""
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--write", action="store_true", help="write data/calibration.json")
+    parser.add_argument("--no-loo", action="store_true", help="skip cold leave-one-out")
+    parser.add_argument("--workers", type=int, default=None)
     args = parser.parse_args()
-    console = Console()
-    start = time.perf_counter()
-    runs = [run for path in shipped_files() for run in load_runs(path)]
-    params, report = calibrate_runs(runs)
-    for name, rep in report.items():
-        console.print(_row_table(name, rep["rows"]))
-    summary = Table(title="Summary (leave-one-out)")
-    for col in ("file", "n", "MAE %", "max %", "Spearman", "OOM rows flagged", "target"):
-        summary.add_column(col)
-    for name, rep in report.items():
-        oom = f"{rep['oom_rows_flagged']}/{rep['oom_rows']}"
-        if rep["measured_rows_flagged"]:
-            oom += f" (+{rep['measured_rows_flagged']} measured rows wrongly flagged)"
-        summary.add_row(
-            name,
-            str(rep["n"]),
-            f"{rep['mae_pct']:.1f}",
-            f"{rep['max_pct']:.1f}",
-            f"{rep['spearman']:.3f}",
-            oom,
-            TARGETS.get(name, ""),
-        )
-    console.print(summary)
-    console.print(
-        "Megatron rows leave micro-batch and virtual stages unspecified: hetplan's own "
-        "homogeneous search chooses them, restricted to the row's TP/PP/DP "
-        "(marked 'searched'). 2021 rows compare hardware TFLOP/s (full recomputation); "
-        "Megatron-Core rows compare model TFLOP/s."
-    )
-    for gpu, eff in params.gpus.items():
-        console.print(f"fitted {gpu}: {eff}")
-    if args.write:
-        out = Path(__file__).resolve().parents[1] / "src/hetplan/data/calibration.json"
-        params.save(out)
-        console.print(f"wrote {out}")
-    console.print(f"took {time.perf_counter() - start:.0f} s")
+    console = Console(width=160)
+    start_t = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        sets: list[tuple[list[Run], CostParams]] = [
+            ([r for path in shipped_files() for r in load_runs(path)], CostParams()),
+            (load_runs(SAILOR / "measured_plans.csv"),
+             CostParams().with_profile(sailor_profile(Path(tmp)))),
+        ]  # fmt: skip
+        summary = Table(title="Summary: every shared measured set")
+        for col in ("set", "n", "MAE %", "max %", "Spearman", "first pick", "LOO MAE %",
+                    "LOO max %", "LOO first pick"):  # fmt: skip
+            summary.add_column(col)
+        fitted: list[CostParams] = []
+        for runs, start in sets:
+            params = fit(runs, start)
+            fitted.append(params)
+            report = in_sample(runs, params)
+            loo = None if args.no_loo else leave_one_out(runs, params, args.workers, start)
+            for name, rep in report.items():
+                held = loo[name] if loo else None
+                console.print(_row_table(name, rep["rows"], held))
+                summary.add_row(
+                    name, str(rep["n"]), f"{rep['mae_pct']:.1f}", f"{rep['max_pct']:.1f}",
+                    f"{rep['spearman']:.3f}", _fmt_pick(rep),
+                    "-" if held is None else f"{held['mae_pct']:.1f}",
+                    "-" if held is None else f"{held['max_pct']:.1f}",
+                    "-" if held is None else _fmt_pick(held),
+                )  # fmt: skip
+            for gpu, terms in params.fit_report["terms"].items():
+                if gpu in {r.cluster.nodes[0].gpu.name for r in runs}:
+                    line = ", ".join(
+                        f"{k}={v['value']:.4g}" + (f" (at {v['at_bound']} bound)"
+                                                     if v["at_bound"] else "")
+                        for k, v in terms.items()
+                    )  # fmt: skip
+                    console.print(f"fitted {gpu}: {line}")
+        console.print(summary)
+        console.print(f"targets: in sample {TARGET}; cold LOO {LOO_TARGET}")
+        if args.write:
+            base, gh = fitted
+            merged = base
+            for gpu, eff in gh.gpus.items():
+                merged = merged.with_gpu(gpu, eff)
+            report = {
+                "terms": {**base.fit_report["terms"], **gh.fit_report["terms"]},
+                "coverage": {**base.fit_report["coverage"], **gh.fit_report["coverage"]},
+                "note": "GH200-96GB terms were fitted with its measured profile (compute "
+                "measured); its compute terms stay at their priors",
+            }
+            merged = replace(merged, fit_report=report, compute=None)
+            out = Path(__file__).resolve().parents[1] / "src/hetplan/data/calibration.json"
+            merged.save(out)
+            console.print(f"wrote {out}")
+    console.print(f"took {time.perf_counter() - start_t:.0f} s")
 
 
 if __name__ == "__main__":

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
+import os
 import sys
 import time
 from pathlib import Path
@@ -17,7 +19,7 @@ from hetplan.cost.estimate import Estimate, estimate
 from hetplan.cost.params import CostParams, load_params
 from hetplan.errors import InputError
 from hetplan.model import ModelSpec, load_model
-from hetplan.plan import Plan, load_plan
+from hetplan.plan import PRECISIONS, Plan, load_plan
 from hetplan.report.table import breakdown_table, estimate_json, plans_table
 
 app = typer.Typer(
@@ -37,7 +39,8 @@ ClusterOpt = Annotated[
 ]
 SeqOpt = Annotated[int | None, typer.Option("--seq-len", help="Override the sequence length")]
 PrecOpt = Annotated[
-    str | None, typer.Option("--precision", help="bf16 or fp16 (default: bf16 where supported)")
+    str | None,
+    typer.Option("--precision", help="fp32, tf32, bf16 or fp16 (default: bf16 where supported)"),
 ]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object")]
 TraceOpt = Annotated[Path | None, typer.Option("--trace", help="Write a Chrome-trace JSON")]
@@ -45,13 +48,81 @@ TimelineOpt = Annotated[Path | None, typer.Option("--timeline", help="Write a ti
 ParamsOpt = Annotated[
     Path | None, typer.Option("--params", help="Cost-model parameters (hetplan calibrate)")
 ]
+PROFILE_ENV = "HETPLAN_PROFILE"
+ProfileOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--profile",
+        help=f"Measured profile database (SQLite): its times replace modelled ones wherever "
+        f"it has them (default: ${PROFILE_ENV}, else none)",
+        show_default=False,
+    ),
+]
+TF32_NOTE = (
+    "note: fp32 uses the FP32 CUDA-core peak; PyTorch with TF32 enabled (NGC containers, "
+    "torch.backends.cuda.matmul.allow_tf32=True) runs fp32 matmuls on TF32 tensor cores: "
+    "--precision tf32"
+)
+
+
+def open_profile(profile_path: Path | None) -> Any:
+    """Returns the ProfileDB at ``profile_path`` (else at $HETPLAN_PROFILE), or None.
+
+    The path must name an existing SQLite file: opening a profile never creates one."""
+    origin = ""
+    if profile_path is None:
+        env = os.environ.get(PROFILE_ENV, "").strip()
+        if not env:
+            return None
+        profile_path, origin = Path(env), f" (from ${PROFILE_ENV})"
+    if not profile_path.is_file():
+        raise InputError("--profile", f"no such file: {profile_path}{origin}")
+    try:
+        with profile_path.open("rb") as fh:
+            head = fh.read(16)
+    except OSError as exc:
+        raise InputError(
+            "--profile", f"cannot read {profile_path}{origin}: {exc.strerror}"
+        ) from None
+    if not head.startswith(b"SQLite format 3"):
+        raise InputError("--profile", f"{profile_path}{origin} is not an SQLite profile database")
+    import importlib
+    import sqlite3
+
+    try:  # the profile database moved from runtime/ to measured/
+        module = importlib.import_module("hetplan.measured.profile_db")
+    except ModuleNotFoundError:
+        module = importlib.import_module("hetplan.runtime.profile_db")
+    try:
+        return module.ProfileDB(profile_path)
+    except sqlite3.Error as exc:
+        raise InputError("--profile", f"cannot open {profile_path}{origin}: {exc}") from None
+
+
+def load_cost(params_path: Path | None, profile_path: Path | None) -> CostParams:
+    """Returns the cost-model parameters of ``--params`` (else the shipped ones), reading
+    compute times from the measured profile of ``--profile`` (else $HETPLAN_PROFILE) first."""
+    params = load_params(params_path)
+    db = open_profile(profile_path)
+    return params if db is None else params.with_profile(db)
+
+
+def _tf32_note(gpus: Any, precision: str, as_json: bool) -> None:
+    """Prints, once, that fp32 means CUDA cores when a GPU has TF32 tensor cores."""
+    if precision == "fp32" and not as_json and any(g.has_tf32 for g in gpus):
+        err.print(TF32_NOTE, highlight=False, soft_wrap=True)
+
+
+def _print_warnings(warnings: list[str]) -> None:
+    for line in warnings:
+        out.print(f"[bold yellow]warning:[/] {line}", highlight=False, soft_wrap=True)
 
 
 def _precision(cluster: Cluster, precision: str | None) -> str:
     if precision is None:
         return "bf16" if all(g.supports("bf16") for g in cluster.gpu_types_used()) else "fp16"
-    if precision not in ("bf16", "fp16", "fp32"):
-        raise InputError("--precision", f"{precision!r} is not bf16, fp16 or fp32")
+    if precision not in PRECISIONS:
+        raise InputError("--precision", f"{precision!r} is not fp32, tf32, bf16 or fp16")
     for gpu in cluster.gpu_types_used():
         if not gpu.supports(precision):
             raise InputError("--precision", f"{gpu.name} has no {precision} support")
@@ -114,13 +185,15 @@ def plan(
     ] = False,
     explain_best: Annotated[bool, typer.Option("--explain", help="Explain the best plan")] = False,
     params_path: ParamsOpt = None,
+    profile_path: ProfileOpt = None,
 ) -> None:
     """Search the best parallel plans for a model on a cluster."""
     spec = load_model(model, seq_len)
     cl = load_cluster(cluster)
     prec = _precision(cl, precision)
     batch = _batch(spec, global_batch_size)
-    params = load_params(params_path)
+    params = load_cost(params_path, profile_path)
+    _tf32_note(cl.gpu_types_used(), prec, as_json)
     if top <= 0:
         raise InputError("--top", "must be positive")
     start = time.perf_counter()
@@ -157,6 +230,7 @@ def plan(
                 "precision": prec,
                 "plans": [estimate_json(p, e) for p, e in ranked],
                 "search_time_s": elapsed,
+                "warnings": best_est.warnings,
             }
         )
         if baselines is not None:
@@ -169,6 +243,7 @@ def plan(
         f"(searched in {elapsed:.2f} s)"
     )
     out.print(plans_table(ranked, title))
+    _print_warnings(best_est.warnings)
     if baselines is not None:
         _print_baselines(best_est, baselines)
     out.print(breakdown_table(best_est))
@@ -196,10 +271,15 @@ def _print_baselines(best: Estimate, baselines: dict[str, Any]) -> None:
 
 def _print_explain(plan_: Plan, spec: ModelSpec, cl: Cluster, params: CostParams) -> None:
     from hetplan.report.explain import explain as explain_plan
-    from hetplan.report.explain import explain_table
+    from hetplan.report.explain import explain_table, fitted_terms_table
 
-    for table in explain_table(explain_plan(plan_, spec, cl, params)):
+    # the warnings were printed under the plans table
+    info = explain_plan(plan_, spec, cl, params)
+    for table in explain_table(info):
         out.print(table)
+    terms = fitted_terms_table(info)
+    if terms is not None:
+        out.print(terms)
 
 
 @app.command()
@@ -212,24 +292,77 @@ def predict(
     dp: Annotated[int | None, typer.Option("--dp")] = None,
     micro_batch_size: Annotated[int | None, typer.Option("--micro-batch-size")] = None,
     global_batch_size: Annotated[int | None, typer.Option("--global-batch-size", "-b")] = None,
-    recompute: Annotated[str, typer.Option("--recompute")] = "none",
-    schedule: Annotated[str, typer.Option("--schedule")] = "1F1B",
-    virtual_stages: Annotated[int, typer.Option("--virtual-stages")] = 1,
-    zero_stage: Annotated[int, typer.Option("--zero-stage")] = 0,
-    sequence_parallel: Annotated[bool, typer.Option("--sequence-parallel")] = False,
+    recompute: Annotated[
+        str | None, typer.Option("--recompute", help="none, selective or full (default: none)")
+    ] = None,
+    schedule: Annotated[
+        str | None, typer.Option("--schedule", help="Pipeline schedule (default: 1F1B)")
+    ] = None,
+    virtual_stages: Annotated[
+        int | None, typer.Option("--virtual-stages", help="Model chunks per stage (default: 1)")
+    ] = None,
+    zero_stage: Annotated[
+        int | None, typer.Option("--zero-stage", help="0, 1, 2 or 3 (default: 0)")
+    ] = None,
+    sequence_parallel: Annotated[
+        bool | None,
+        typer.Option("--sequence-parallel/--no-sequence-parallel", help="(default: off)"),
+    ] = None,
+    flash_attention: Annotated[
+        bool | None,
+        typer.Option("--flash-attention/--no-flash-attention", help="(default: on)"),
+    ] = None,
+    overlap_tp_comm: Annotated[
+        bool | None,
+        typer.Option(
+            "--overlap-tp-comm/--no-overlap-tp-comm",
+            help="Overlap TP collectives with the matmuls (default: off)",
+        ),
+    ] = None,
+    overlap_grad_reduce: Annotated[
+        bool | None,
+        typer.Option(
+            "--overlap-grad-reduce/--no-overlap-grad-reduce",
+            help="Overlap the DP gradient reduction with the backward (default: on)",
+        ),
+    ] = None,
     seq_len: SeqOpt = None,
     precision: PrecOpt = None,
     as_json: JsonOpt = False,
     trace: TraceOpt = None,
     timeline: TimelineOpt = None,
     params_path: ParamsOpt = None,
+    profile_path: ProfileOpt = None,
 ) -> None:
-    """Predict iteration time, memory, throughput and price of one plan."""
+    """Predict iteration time, memory, throughput and price of one plan.
+
+    With --plan, the plan options given explicitly override the file's fields:
+    --precision, --recompute, --schedule, --virtual-stages, --zero-stage and the
+    --sequence-parallel, --flash-attention, --overlap-tp-comm, --overlap-grad-reduce
+    switches (and their --no- forms)."""
     spec = load_model(model, seq_len)
     cl = load_cluster(cluster)
-    params = load_params(params_path)
+    params = load_cost(params_path, profile_path)
+    knobs: dict[str, Any] = {
+        k: v
+        for k, v in (
+            ("recompute", recompute),
+            ("schedule", schedule),
+            ("virtual_stages", virtual_stages),
+            ("zero_stage", zero_stage),
+            ("sequence_parallel", sequence_parallel),
+            ("flash_attention", flash_attention),
+            ("overlap_tp_comm", overlap_tp_comm),
+            ("overlap_grad_reduce", overlap_grad_reduce),
+        )
+        if v is not None
+    }
     if plan_path is not None:
         the_plan = load_plan(plan_path)
+        if precision is not None:
+            knobs["precision"] = _precision(cl, precision)
+        if knobs:  # validate_plan (in estimate) checks the values
+            the_plan = dataclasses.replace(the_plan, **knobs)
     else:
         missing = [
             n
@@ -273,18 +406,17 @@ def predict(
             micro_batch_size,
             batch,
             precision=_precision(cl, precision),
-            recompute=recompute,
-            zero_stage=zero_stage,
-            schedule=schedule,
-            virtual_stages=virtual_stages,
-            sequence_parallel=sequence_parallel,
+            **knobs,
         )
+    if precision is not None:
+        _tf32_note(cl.gpu_types_used(), the_plan.precision, as_json)
     est = estimate(the_plan, spec, cl, params)
     _write_pictures(the_plan, spec, cl, params, trace, timeline)
     if as_json:
         out.print_json(json.dumps(estimate_json(the_plan, est)))
         return
     out.print(plans_table([(the_plan, est)], f"{spec.name}: predicted"))
+    _print_warnings(est.warnings)
     out.print(breakdown_table(est))
     if not est.fits:
         worst = max(est.stages, key=lambda s: s.memory.total - s.capacity_bytes)
@@ -302,20 +434,25 @@ def explain(
     seq_len: SeqOpt = None,
     as_json: JsonOpt = False,
     params_path: ParamsOpt = None,
+    profile_path: ProfileOpt = None,
 ) -> None:
     """Explain a plan: per stage and replica times, memory headroom, the bottleneck."""
     from hetplan.report.explain import explain as explain_plan
-    from hetplan.report.explain import explain_table
+    from hetplan.report.explain import explain_table, fitted_terms_table
 
     spec = load_model(model, seq_len)
     cl = load_cluster(cluster)
     the_plan = load_plan(plan_path)
-    info = explain_plan(the_plan, spec, cl, load_params(params_path))
+    info = explain_plan(the_plan, spec, cl, load_cost(params_path, profile_path))
     if as_json:
         out.print_json(json.dumps(info))
     else:
         for table in explain_table(info):
             out.print(table)
+        terms = fitted_terms_table(info)
+        if terms is not None:
+            out.print(terms)
+        _print_warnings(info["warnings"])
 
 
 @app.command()
@@ -323,11 +460,25 @@ def calibrate(
     runs: Annotated[Path, typer.Option("--runs", help="CSV of measured runs")],
     out_path: Annotated[Path | None, typer.Option("--out", help="Write fitted parameters")] = None,
     as_json: JsonOpt = False,
+    profile_path: ProfileOpt = None,
 ) -> None:
-    """Fit the cost model's efficiency parameters to measured runs; report the error."""
+    """Fit the cost model's efficiency parameters to measured runs; report the error.
+
+    With a profile, the runs are predicted with its measured compute times, so the fit
+    learns only what the profile does not cover (use the same --profile when predicting)."""
     from hetplan.cost.calibrate import calibrate_file
 
-    _, report = calibrate_file(runs, out_path)
+    db = open_profile(profile_path)
+    if db is None:
+        _, report = calibrate_file(runs, out_path)
+    else:
+        from hetplan.cost.calibrate import calibrate_runs
+        from hetplan.cost.runs import load_runs
+
+        fitted, by_file = calibrate_runs(load_runs(runs), CostParams().with_profile(db))
+        if out_path is not None:
+            fitted.save(out_path)
+        report = by_file.get(runs.name, {})
     if as_json:
         out.print_json(json.dumps(report))
         return
@@ -381,10 +532,18 @@ def provision(
     ] = "30m",
     global_batch_size: Annotated[int | None, typer.Option("--global-batch-size", "-b")] = None,
     seq_len: SeqOpt = None,
-    precision: Annotated[str, typer.Option("--precision")] = "fp16",
+    precision: Annotated[
+        str | None,
+        typer.Option(
+            "--precision",
+            help="fp32, tf32, bf16 or fp16 (default: bf16 if every GPU type of the market "
+            "supports it, else fp16)",
+        ),
+    ] = None,
     as_json: JsonOpt = False,
     plot: Annotated[Path | None, typer.Option("--plot", help="Write the front as PNG")] = None,
     params_path: ParamsOpt = None,
+    profile_path: ProfileOpt = None,
 ) -> None:
     """Choose which GPUs to rent: the time-versus-dollars front and a recommendation."""
     from hetplan.market import load_market
@@ -396,10 +555,15 @@ def provision(
 
     if objective not in ("time", "cost", "balanced"):
         raise InputError("--objective", f"{objective!r} is not time, cost or balanced")
-    if precision not in ("bf16", "fp16", "fp32"):
-        raise InputError("--precision", f"{precision!r} is not bf16, fp16 or fp32")
+    if precision is not None and precision not in PRECISIONS:
+        raise InputError("--precision", f"{precision!r} is not fp32, tf32, bf16 or fp16")
     spec = load_model(model, seq_len)
     mk = load_market(market)
+    gpus = {o.gpu.name: o.gpu for o in mk.offers}.values()
+    if precision is None:  # plan's rule, over the market's GPU types
+        precision = "bf16" if all(g.supports("bf16") for g in gpus) else "fp16"
+    _tf32_note(gpus, precision, as_json)
+    params = load_cost(params_path, profile_path)
     n_tokens = parse_count(tokens, "--tokens")
     constraints = Constraints(
         deadline_s=None if deadline is None else parse_duration_s(deadline, "--deadline"),
@@ -418,7 +582,7 @@ def provision(
         spot,
         objective,
         constraints,
-        load_params(params_path),
+        params,
         terms,
         mixes=mixes,
         max_mix_plans=max_mix_plans,
@@ -426,10 +590,10 @@ def provision(
     if plot is not None:
         write_pareto_plot(plot, res, constraints)
     if as_json:
-        out.print_json(json.dumps(result_json(res)))
+        out.print_json(json.dumps(result_json(res) | {"precision": precision}))
         return
     title = (
-        f"{spec.name}, {n_tokens:.3g} tokens: time-versus-cost front "
+        f"{spec.name}, {n_tokens:.3g} tokens, {precision}: time-versus-cost front "
         f"({res.planned} configurations planned, {res.pruned} pruned by bounds, "
         f"{res.search_time_s:.1f} s)"
     )

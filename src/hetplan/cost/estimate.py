@@ -278,6 +278,14 @@ def estimate(
     params = params or default_params()
     if profile is not None:
         params = params.with_profile(profile)
+    node_memo: dict[str, Node] = {}
+
+    def node_of(device: str) -> Node:
+        node = node_memo.get(device)
+        if node is None:
+            node = node_memo[device] = cluster.device_node(device)
+        return node
+
     dp = plan.dp
     v = plan.virtual_stages
     # data-parallel gradient sync, segment by segment among the stages holding each layer
@@ -288,9 +296,7 @@ def estimate(
         tp_min = min(tps)
         per_rank = []
         for i in range(tp_min):
-            per_rank.append(
-                [cluster.device_node(plan.pipelines[r].stages[j].devices[i]) for r, j in holders]
-            )
+            per_rank.append([node_of(plan.pipelines[r].stages[j].devices[i]) for r, j in holders])
         group_members.append(per_rank)
     crossing: dict[str, set[str]] = {}
     for (_, holders), per_rank in zip(groups, group_members, strict=True):
@@ -315,7 +321,7 @@ def estimate(
     for r, pipe in enumerate(plan.pipelines):
         p = len(pipe.stages)
         m = plan.num_micro_batches(pipe)
-        nodes = [cluster.device_node(s.devices[0]) for s in pipe.stages]
+        nodes = [node_of(s.devices[0]) for s in pipe.stages]
         row: list[StageEstimate] = []
         for j, stage in enumerate(pipe.stages):
             node = nodes[j]
@@ -467,12 +473,11 @@ def estimate(
         extra = plan.global_batch_size * model.layers * model.layer_attention_flops()
     else:
         extra = 0.0
-    gpu_of = {cluster.device_node(st.devices[0]).gpu.name: cluster.device_node(st.devices[0]).gpu
-              for st in stages}  # fmt: skip
-    peak_sum = sum(cluster.device_node(d).gpu.peak_flops(plan.precision) for d in plan.devices())
+    gpu_of = {node_of(st.devices[0]).gpu.name: node_of(st.devices[0]).gpu for st in stages}
+    peak_sum = sum(node_of(d).gpu.peak_flops(plan.precision) for d in plan.devices())
     price: float | None = 0.0
     for d in plan.devices():
-        node_price = cluster.device_node(d).usd_per_gpu_hour
+        node_price = node_of(d).usd_per_gpu_hour
         price = None if price is None or node_price is None else price + node_price
     tokens_per_s = tokens / iteration
     fits = all(s.memory.total <= s.capacity_bytes for s in stages)

@@ -53,7 +53,7 @@ def warnings_for(plan: Plan, est: Estimate, cluster: Cluster, params: CostParams
     out: list[str] = []
     coverage: dict[str, Any] = params.fit_report.get("coverage", {})
     regime = plan_regime(plan)
-    gpus = {cluster.device_node(d).gpu.name for d in plan.devices()}
+    gpus = {s.gpu for s in est.stages}
     measured_gpus = {s.gpu for s in est.stages if s.compute_source in ("measured", "interpolated")}
     best_any = max((c.get("best_mfu", 0.0) for c in coverage.values()), default=0.0)
     for name in sorted(gpus):

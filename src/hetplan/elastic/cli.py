@@ -48,8 +48,11 @@ def replan_report(
     joined_spec: str | None,
     storage_bw: str | None,
     search: bool,
+    profile: Path | None = None,
 ) -> tuple[dict[str, Any], Any]:
-    """Returns the JSON report of a replan (new plan, times, changes, recovery) and the plan."""
+    """Returns the JSON report of a replan (new plan, times, changes, recovery) and the plan;
+    compute times come from the measured ``profile`` (else $HETPLAN_PROFILE) first."""
+    from hetplan.cli import load_cost
     from hetplan.cluster import load_cluster
     from hetplan.elastic.recovery import plan_recovery, problem_from_plans
     from hetplan.elastic.replan import replan
@@ -58,11 +61,12 @@ def replan_report(
 
     model = load_model(model_spec)
     cluster = load_cluster(cluster_spec)
+    params = load_cost(None, profile)
     plan = load_plan(plan_path)
     validate_plan(plan, model, cluster)
     joined = load_cluster(joined_spec) if joined_spec else None
     storage = storage_bandwidth_bytes_per_s(cluster_spec, storage_bw)
-    res = replan(plan, model, cluster, lost, joined, search=search)
+    res = replan(plan, model, cluster, lost, joined, params=params, search=search)
     rec = plan_recovery(problem_from_plans(plan, res.plan, model, cluster, res.cluster, storage))
     report = {
         "plan": json.loads(json.dumps(res.plan.to_dict())),
@@ -94,10 +98,20 @@ def replan_cmd(
     search: Annotated[bool, typer.Option(help="Also run the full heterogeneous search.")] = False,
     out: Annotated[Path | None, typer.Option("--out", help="Write the new plan here.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+    profile: Annotated[
+        Path | None,
+        typer.Option(
+            "--profile",
+            help="Measured profile database (default: $HETPLAN_PROFILE, else none).",
+            show_default=False,
+        ),
+    ] = None,
 ) -> None:
     """Replan on the nodes that remain after a preemption and plan the state's recovery."""
     names = _names(lost)
-    report, new_plan = replan_report(plan, model, cluster, names, joined, storage_bandwidth, search)
+    report, new_plan = replan_report(
+        plan, model, cluster, names, joined, storage_bandwidth, search, profile
+    )
     if out is not None:
         new_plan.save(out)
     if as_json:

@@ -8,7 +8,7 @@ from rich.table import Table
 
 from hetplan.cluster import Cluster
 from hetplan.cost.estimate import estimate
-from hetplan.cost.params import CostParams
+from hetplan.cost.params import CostParams, default_params
 from hetplan.model import ModelSpec
 from hetplan.plan import Plan
 
@@ -16,7 +16,10 @@ from hetplan.plan import Plan
 def explain(
     plan: Plan, model: ModelSpec, cluster: Cluster, params: CostParams | None = None
 ) -> dict[str, Any]:
-    """Returns a JSON-ready explanation: stages, replicas, and the bottleneck."""
+    """Returns a JSON-ready explanation: stages (with where their compute times came from),
+    replicas, the bottleneck, the estimate's warnings and peaks, and the fitted terms of the
+    GPU types the plan uses (when the parameters carry them)."""
+    params = params or default_params()
     est = estimate(plan, model, cluster, params)
     stages = []
     for st in est.stages:
@@ -31,7 +34,9 @@ def explain(
                 "tp": len(st.devices),
                 "layers": st.layers,
                 "layer_range": [start, end],
+                "compute_source": st.compute_source,
                 "time_per_micro_batch_s": st.per_micro_batch_s,
+                "overhead_s": st.overhead_s,
                 "send_s": st.send_s,
                 "memory_gb": st.memory.total / 1e9,
                 "capacity_gb": st.capacity_bytes / 1e9,
@@ -60,9 +65,16 @@ def explain(
         )
     crit = max(est.stages, key=lambda s: s.end_s)
     ends = [max(s.end_s for s in est.stages if s.pipeline == r) for r in range(plan.dp)]
+    used = sorted({st.gpu for st in est.stages})
+    all_terms = params.fit_report.get("terms", {})
+    terms = {g: all_terms[g] for g in used if isinstance(all_terms.get(g), dict)}
     return {
         "iteration_time_s": est.iteration_time_s,
         "fits": est.fits,
+        "compute_source": est.compute_source,
+        "peak_used": est.peak_used,
+        "warnings": est.warnings,
+        "fitted_terms": terms,
         "stages": stages,
         "replicas": replicas,
         "bottleneck": {
@@ -77,10 +89,24 @@ def explain(
 
 
 def explain_table(explanation: dict[str, Any]) -> list[Table]:
-    """Returns rich tables for an explanation: stages, then replicas and the bottleneck."""
-    stages = Table(title="Stages")
-    for col in ("pipe", "stage", "GPU", "devices", "layers", "ms/micro-batch", "mem GB", "free GB"):
-        stages.add_column(col, justify="right" if col not in ("GPU", "devices") else "left")
+    """Returns rich tables for an explanation: stages, then replicas and the bottleneck
+    (the fitted terms are ``fitted_terms_table``'s)."""
+    peaks = explanation.get("peak_used", {})
+    caption = "; ".join(f"{g}: {label}" for g, label in peaks.items())
+    stages = Table(title="Stages", caption=f"peak: {caption}" if caption else None)
+    for col in (
+        "pipe",
+        "stage",
+        "GPU",
+        "devices",
+        "layers",
+        "compute",
+        "ms/micro-batch",
+        "mem GB",
+        "free GB",
+    ):
+        left = col in ("GPU", "devices", "compute")
+        stages.add_column(col, justify="left" if left else "right")
     crit = explanation["bottleneck"]
     for st in explanation["stages"]:
         devs = st["devices"]
@@ -92,6 +118,7 @@ def explain_table(explanation: dict[str, Any]) -> list[Table]:
             st["gpu"],
             shown,
             f"{st['layers']} [{st['layer_range'][0]}-{st['layer_range'][1]})",
+            st.get("compute_source", "analytical"),
             f"{st['time_per_micro_batch_s'] * 1e3:.2f}",
             f"{st['memory_gb']:.1f}/{st['capacity_gb']:.0f}",
             f"{st['headroom_gb']:.1f}",
@@ -117,3 +144,29 @@ def explain_table(explanation: dict[str, Any]) -> list[Table]:
         bott.add_row(key, f"{value:.4f}")
     bott.add_row("replica spread (fastest replica idles)", f"{crit['replica_spread_s']:.4f}")
     return [stages, reps, bott]
+
+
+def fitted_terms_table(explanation: dict[str, Any]) -> Table | None:
+    """Returns the fitted cost-model terms of the plan's GPU types (value, unit, whether the
+    fit left them on a bound), or None when the parameters carry no fit report."""
+    terms: dict[str, dict[str, Any]] = explanation.get("fitted_terms", {})
+    if not terms:
+        return None
+    table = Table(title="fitted terms", header_style="bold")
+    for col in ("GPU", "term", "value", "unit", "at bound"):
+        table.add_column(col, justify="right" if col == "value" else "left")
+    for gpu, by_term in terms.items():
+        for name, term in by_term.items():
+            if not isinstance(term, dict):
+                continue
+            value = term.get("value")
+            bound = term.get("at_bound")
+            table.add_row(
+                gpu,
+                name,
+                "-" if value is None else f"{value:.4g}",
+                str(term.get("unit", "")),
+                str(bound) if bound else "-",
+                style="yellow" if bound else None,
+            )
+    return table

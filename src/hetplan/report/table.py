@@ -30,9 +30,23 @@ def _gb(x: float) -> str:
     return f"{x / 1e9:.1f}"
 
 
+def peak_caption(ests: list[Estimate]) -> str:
+    """Returns which datasheet peak the compute model and the MFU use, per GPU type."""
+    seen: dict[str, list[str]] = {}
+    for est in ests:
+        for gpu, label in est.peak_used.items():
+            if label not in seen.setdefault(gpu, []):
+                seen[gpu].append(label)
+    if not seen:
+        return ""
+    return "peak: " + "; ".join(f"{g} {' | '.join(labels)}" for g, labels in seen.items())
+
+
 def plans_table(ranked: list[tuple[Plan, Estimate]], title: str) -> Table:
-    """Returns a table of ranked plans: degrees, knobs, time, throughput, MFU, memory, price."""
-    table = Table(title=title, header_style="bold")
+    """Returns a table of ranked plans: degrees, knobs, time, throughput, MFU, memory, price,
+    where the compute times came from; the caption names the peak the MFU is against."""
+    caption = peak_caption([e for _, e in ranked])
+    table = Table(title=title, caption=caption or None, header_style="bold")
     for col in (
         "#",
         "TP",
@@ -49,8 +63,9 @@ def plans_table(ranked: list[tuple[Plan, Estimate]], title: str) -> Table:
         "TFLOP/s/GPU",
         "peak GB",
         "$/hour",
+        "compute",
     ):
-        justify = "left" if col in ("recompute", "schedule") else "right"
+        justify = "left" if col in ("recompute", "schedule", "compute") else "right"
         table.add_column(col, justify=justify)  # type: ignore[arg-type]
     for i, (plan, est) in enumerate(ranked, 1):
         deg = plan_summary(plan)
@@ -73,14 +88,26 @@ def plans_table(ranked: list[tuple[Plan, Estimate]], title: str) -> Table:
             f"{est.tflops_per_gpu:.0f}",
             _gb(max(est.peak_memory_bytes.values())),
             "-" if est.cost_usd_per_hour is None else f"{est.cost_usd_per_hour:,.2f}",
+            est.compute_source,
         )
     return table
 
 
 def breakdown_table(est: Estimate) -> Table:
-    """Returns the iteration-time breakdown of the critical stage."""
+    """Returns the iteration-time breakdown of the critical stage; the caption names it,
+    where its compute times came from and the peak they are measured against."""
+    crit = max(est.stages, key=lambda s: s.end_s) if est.stages else None
+    lines = [f"critical: {est.bottleneck}"]
+    if crit is not None:
+        lines.append(f"compute: {crit.compute_source} (plan: {est.compute_source})")
+        if crit.gpu in est.peak_used:
+            lines.append(f"peak: {crit.gpu} {est.peak_used[crit.gpu]}")
     table = Table(
-        title="Iteration breakdown", caption=f"critical: {est.bottleneck}", header_style="bold"
+        title="Iteration breakdown",
+        caption="\n".join(lines),
+        caption_justify="left",
+        header_style="bold",
+        min_width=max(map(len, lines)),  # the caption lines unwrapped
     )
     table.add_column("term")
     table.add_column("seconds", justify="right")
@@ -105,8 +132,12 @@ def breakdown_table(est: Estimate) -> Table:
 
 
 def estimate_json(plan: Plan, est: Estimate) -> dict[str, Any]:
-    """Returns the estimate's JSON object with the plan attached."""
+    """Returns the estimate's JSON object (with its per-stage compute sources, the peaks
+    used and the warnings) with the plan attached."""
     out = est.to_json()
+    out["warnings"] = list(est.warnings)
+    out["peak_used"] = dict(est.peak_used)
+    out["compute_source"] = est.compute_source
     out["plan"] = plan.to_dict()
     out["degrees"] = plan_summary(plan)
     return out
