@@ -36,13 +36,13 @@ LOO_TARGET = "MAE <= 15%, first pick within 5% of the best"
 def sailor_profile(folder: Path) -> Any:
     """Returns a profile DB of the GH200 OPT-350 profile and network tables, imported as a
     user would (`hetplan profile import --format sailor --model OPT-350=opt-350m`)."""
-    from hetplan.measured.importers import import_sailor_network, import_sailor_profile
-    from hetplan.measured.profile_db import ProfileDB
+    from hetplan.measured.importers import parse_bindings, write_db
+    from hetplan.measured.sailor import read_sailor_network, read_sailor_profile
 
-    db = ProfileDB(folder / "gh200.sqlite")
-    import_sailor_profile(SAILOR / "profile_opt350_gh96.json", db, {"OPT-350": "opt-350m"}, "tf32")
-    import_sailor_network(SAILOR / "network_gh96.json", db)
-    return db
+    batch = read_sailor_profile(SAILOR / "profile_opt350_gh96.json",
+                                parse_bindings(["OPT-350=opt-350m"]))  # fmt: skip
+    batch.extend(read_sailor_network(SAILOR / "network_gh96.json"))
+    return write_db(folder / "gh200.sqlite", batch)
 
 
 def _fmt_pick(rep: dict[str, Any]) -> str:

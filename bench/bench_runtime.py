@@ -29,12 +29,12 @@ from rich.table import Table
 
 from hetplan.cluster import load_cluster
 from hetplan.cost.estimate import estimate
+from hetplan.measured.profile_db import LINKS, ProfileDB
 from hetplan.model import load_model
 from hetplan.plan import load_plan
 from hetplan.runtime.config import RunConfig
 from hetplan.runtime.launch import run_local
 from hetplan.runtime.profile import profile_model
-from hetplan.runtime.profile_db import LINKS, ProfileDB
 
 MODEL = {
     "hidden_size": 256,

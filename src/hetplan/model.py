@@ -136,9 +136,14 @@ class ModelSpec:
         """Returns forward+backward FLOPs per sequence without recomputation (3x forward)."""
         return 3.0 * (self.layers * self.layer_flops() + self.head_flops())
 
-    # ---- activations (bytes per sequence, 2-byte activations) ------------------------
+    # ---- activations (bytes per sequence; 2-byte activations unless elem_bytes says 4) -
     def layer_activation_bytes(
-        self, tp: int, sequence_parallel: bool, recompute: str, flash_attention: bool
+        self,
+        tp: int,
+        sequence_parallel: bool,
+        recompute: str,
+        flash_attention: bool,
+        elem_bytes: int = 2,
     ) -> float:
         """Returns activation bytes one layer keeps for backward, per sequence, per TP rank.
 
@@ -147,28 +152,31 @@ class ModelSpec:
         by tensor parallelism; attention scores are s^2 terms absent with flash attention.
         """
         s, h, kv, f, a = self.seq, self.hidden, self.kv_dim, self.ffn, self.heads
+        e = float(elem_bytes)
         if recompute == "full":
-            return 2.0 * s * h / (tp if sequence_parallel else 1)
+            return e * s * h / (tp if sequence_parallel else 1)
         drop = 1.0 if self.dropout else 0.0
-        replicated = 2.0 * s * h * 4 + drop * 2 * s * h  # 2 norm inputs, qkv and mlp inputs; masks
-        sharded = 2.0 * s * (h + kv)  # Q, K for QK^T
-        sharded += 2 * s * kv  # V
-        sharded += 2 * s * h  # output projection input
-        sharded += (8 if self.gated else 4) * s * f  # activation inputs/outputs
+        replicated = e * s * h * 4 + drop * 2 * s * h  # 2 norm inputs, qkv and mlp inputs; masks
+        sharded = e * s * (h + kv)  # Q, K for QK^T
+        sharded += e * s * kv  # V
+        sharded += e * s * h  # output projection input
+        sharded += (4 if self.gated else 2) * e * s * f  # activation inputs/outputs
         if not flash_attention and recompute != "selective":
-            sharded += (2 + drop + 2 * drop) * a * s * s  # softmax out, dropout mask and out
+            sharded += (e + drop + e * drop) * a * s * s  # softmax out, dropout mask and out
         elif flash_attention:
             sharded += 4 * a * s  # log-sum-exp statistics (fp32)
         if sequence_parallel:
             return (replicated + sharded) / tp
         return replicated + sharded / tp
 
-    def embedding_activation_bytes(self, tp: int, sequence_parallel: bool) -> float:
+    def embedding_activation_bytes(
+        self, tp: int, sequence_parallel: bool, elem_bytes: int = 2
+    ) -> float:
         """Returns activation bytes of the embedding output (and dropout mask), per sequence."""
-        per = 2.0 * self.seq * self.hidden + (self.seq * self.hidden if self.dropout else 0)
+        per = elem_bytes * self.seq * self.hidden + (self.seq * self.hidden if self.dropout else 0)
         return per / (tp if sequence_parallel else 1)
 
-    def head_activation_bytes(self, tp: int) -> float:
+    def head_activation_bytes(self, tp: int, elem_bytes: int = 2) -> float:
         """Returns peak bytes of the final norm input and the loss's logit buffers, per sequence."""
         # Megatron/DeepSpeed GPT-2 of 2020-22 (megatron/mpu/cross_entropy.py, Megatron-LM
         # v1.1.5 as vendored by DeepSpeedExamples): the loss is computed on output.float(),
@@ -176,7 +184,9 @@ class ModelSpec:
         # unchanged") and exponentiates; at that peak the fp16 logits (2 bytes), the fp32
         # copy (4), its clone (4) and exp_logits (4) coexist: 14 bytes per vocab-parallel
         # logit. Megatron-Core works in place (6 bytes), so this is an upper bound there.
-        return 2.0 * self.seq * self.hidden + LOSS_BYTES_PER_LOGIT * self.seq * self.vocab / tp
+        # in fp32 training the logits themselves are fp32: 2 more bytes per logit
+        logit = LOSS_BYTES_PER_LOGIT + (elem_bytes - 2)
+        return elem_bytes * self.seq * self.hidden + logit * self.seq * self.vocab / tp
 
     def with_seq(self, seq: int | None) -> ModelSpec:
         """Returns this model with sequence length ``seq`` (unchanged if None)."""

@@ -10,11 +10,11 @@ import torch
 
 from hetplan.cluster import load_cluster
 from hetplan.cost.estimate import estimate
+from hetplan.measured.profile_db import ProfileDB
 from hetplan.model import load_model
 from hetplan.plan import load_plan
 from hetplan.runtime.layout import EMBED_TOK, build_layout, layer_unit
 from hetplan.runtime.profile import profile_model
-from hetplan.runtime.profile_db import ProfileDB
 
 ASYMMETRIC = [(2, [(4, [0])]), (6, [(1, [1]), (3, [2])])]
 
@@ -30,7 +30,7 @@ def test_profile_feeds_estimate(inputs: dict[str, Path], tmp_path: Path, write_p
     assert all(r.times.forward_s > 0 and r.times.backward_s > 0 for r in recs)
     assert recs[0].activation_bytes > recs[1].activation_bytes > 0
     est = estimate(plan, model, cluster, profile=ProfileDB(tmp_path / "prof.sqlite"))
-    assert est.compute_source == "profiled"
+    assert est.compute_source == "measured"
     one = db.lookup("cpu", model, 1, 2, "fp32")
     assert one is not None
     stage = next(s for s in est.stages if s.pipeline == 0)

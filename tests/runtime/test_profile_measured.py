@@ -16,10 +16,10 @@ from hetplan.cost import comm
 from hetplan.cost.compute import LayerTimes
 from hetplan.cost.estimate import estimate
 from hetplan.cost.params import default_params
+from hetplan.measured.profile_db import ProfileDB
 from hetplan.model import load_model
 from hetplan.plan import load_plan
 from hetplan.runtime.profile import profile_model
-from hetplan.runtime.profile_db import ProfileDB
 from hetplan.runtime.profile_links import fit_alpha_beta
 
 PP2 = [(8, [(1, [0]), (3, [1])])]
@@ -85,7 +85,7 @@ def test_estimate_uses_embedding_head_and_optimizer(
     assert layer and embed and head and all(t is not None and t > 0 for t in opt.values())
     assert head.forward_s > 0 and head.backward_s > 0 and embed.backward_s > 0
     est = estimate(load_plan(write_plan(tmp_path / "p.json", PP2)), model, cluster, profile=db)
-    assert est.compute_source == "profiled"
+    assert est.compute_source == "measured"
     first, last = est.stages
     assert first.forward_s == pytest.approx(layer.forward_s + embed.forward_s)
     assert last.backward_s == pytest.approx(3 * layer.backward_s + head.backward_s)
@@ -119,7 +119,7 @@ def test_estimate_uses_links_and_pipeline_overhead(
     assert dp.stages[0].grad_sync_s == pytest.approx(grads / 5e7 + 2 * 0.002)
     tp = estimate(load_plan(write_plan(tmp_path / "tp.json", TP2)), model, cluster, profile=db)
     assert tp.stages[0].tp_comm_s == pytest.approx(4 * (0.004 + 0.006))
-    assert tp.compute_source == "profiled"
+    assert tp.compute_source == "measured"
 
 
 def test_profile_with_links_measures_gloo(

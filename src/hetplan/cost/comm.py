@@ -23,6 +23,9 @@ def intra_node_allreduce_s(size_bytes: float, n: int, node: Node, params: CostPa
     """Returns a ring all-reduce time among ``n`` GPUs of one node."""
     if n <= 1:
         return 0.0
+    measured = params.compute.network_bw(node.gpu.name, "intra", n, size_bytes)
+    if measured is not None:  # achieved: message bytes per second, latency included
+        return size_bytes / measured
     bw = node.intra_node_bytes_per_s * params.link_efficiency_of(node.gpu.name)
     return ring_allreduce_bytes(size_bytes, n) / bw + 2 * (n - 1) * params.intra_latency_s
 
@@ -66,12 +69,17 @@ def group_allreduce_s(
     num_nodes = len(per_node)
     shard = size_bytes / k
     conc = node_concurrency or {}
-    share = min(
-        nodes[name].network_bytes_per_s / max(conc.get(name, local), 1)
-        for name, local in per_node.items()
-    )
-    eff = min(params.network_efficiency_of(n.gpu.name) for n in nodes.values())
-    inter = ring_allreduce_bytes(shard, num_nodes) / (share * eff)
+    shares = []
+    for name, local in per_node.items():
+        talkers = max(conc.get(name, local), 1)
+        node = nodes[name]
+        measured = params.compute.network_bw(node.gpu.name, "inter", talkers, shard)
+        if measured is not None:  # the node's achieved aggregate with ``talkers`` GPUs
+            shares.append(measured / talkers)
+        else:
+            eff = params.network_efficiency_of(node.gpu.name)
+            shares.append(node.network_bytes_per_s * eff / talkers)
+    inter = ring_allreduce_bytes(shard, num_nodes) / min(shares)
     latency = 2 * (num_nodes - 1) * params.inter_latency_s
     # NCCL pipelines chunks through the intra- and inter-node hops at once: the slower
     # phase sets the time, not their sum
@@ -88,10 +96,17 @@ def p2p_s(
     if size_bytes <= 0:
         return 0.0
     if src.name == dst.name:
+        measured = params.compute.network_bw(src.gpu.name, "intra", 2, size_bytes)
+        if measured is not None:
+            return size_bytes / measured
         eff = params.link_efficiency_of(src.gpu.name)
         return size_bytes / (src.intra_node_bytes_per_s * eff) + params.intra_latency_s
-    eff = min(
-        params.network_efficiency_of(src.gpu.name), params.network_efficiency_of(dst.gpu.name)
-    )
-    bw = min(src.network_bytes_per_s, dst.network_bytes_per_s) * eff
-    return size_bytes * concurrency / bw + params.inter_latency_s
+    rates = []
+    for node in (src, dst):
+        measured = params.compute.network_bw(node.gpu.name, "inter", concurrency, size_bytes)
+        if measured is not None:  # the node's achieved aggregate with ``concurrency`` senders
+            rates.append(measured / concurrency)
+        else:
+            rates.append(node.network_bytes_per_s * params.network_efficiency_of(node.gpu.name)
+                         / concurrency)  # fmt: skip
+    return size_bytes / min(rates) + params.inter_latency_s

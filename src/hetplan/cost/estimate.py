@@ -358,6 +358,7 @@ def estimate(
                 last,
                 units,
                 v,
+                plan.precision,
             )
             mem = MemoryBreakdown(w, g, o, acts, params.memory_reserve_bytes)
             eff = params.gpu(node.gpu.name)

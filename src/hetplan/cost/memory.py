@@ -78,17 +78,19 @@ def stage_activation_bytes(
     last: bool,
     in_flight: int,
     v: int,
+    precision: str = "bf16",
 ) -> float:
     """Returns the activation bytes a stage holds at its peak with ``in_flight`` chunks."""
+    e = element_bytes(precision)
     layer = micro_batch * model.layer_activation_bytes(
-        tp, sequence_parallel, recompute, flash_attention
+        tp, sequence_parallel, recompute, flash_attention, e
     )
-    embed = micro_batch * model.embedding_activation_bytes(tp, sequence_parallel)
-    head = micro_batch * model.head_activation_bytes(tp)
+    embed = micro_batch * model.embedding_activation_bytes(tp, sequence_parallel, e)
+    head = micro_batch * model.head_activation_bytes(tp, e)
     working = 0.0
     if recompute == "full":
         working = micro_batch * model.layer_activation_bytes(
-            tp, sequence_parallel, "none", flash_attention
+            tp, sequence_parallel, "none", flash_attention, e
         )
     return combine_activation_bytes(layers, layer, embed, head, working, first, last,
                                     in_flight, v)  # fmt: skip

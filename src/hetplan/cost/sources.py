@@ -132,6 +132,20 @@ class ComputeSource:
             self._memo[key] = fn(*args) if fn is not None else None
         return self._memo[key]
 
+    def network_bw(self, gpu_name: str, scope: str, n: int, size_bytes: float) -> float | None:
+        """Returns the measured achieved bandwidth (bytes/s) of a message of ``size_bytes``
+        among ``n`` GPUs of one node (scope "intra") or with ``n`` GPUs per node talking
+        between nodes ("inter", the node's aggregate), or None where not measured."""
+        if self.profile is None or not hasattr(self.profile, "network_bandwidth"):
+            return None
+        # bandwidth curves are smooth in log size: memoize on a 1/16-octave grid
+        bucket = round(math.log2(max(size_bytes, 1.0)) * 16)
+        key = ("net", gpu_name, scope, n, bucket)
+        if key not in self._memo:
+            bw = self.profile.network_bandwidth(gpu_name, scope, n, 2.0 ** (bucket / 16))
+            self._memo[key] = bw if bw is not None and bw > 0 else None
+        return self._memo[key]
+
     def _layer_lookup(
         self, gpu: GPUType, model: ModelSpec, tp: int, mb: int, precision: str
     ) -> tuple[LayerTimes, str] | None:

@@ -22,7 +22,7 @@ def predicted_step_time_s(
 ) -> tuple[float, str]:
     """Returns the cost model's iteration time for the plan and which compute source it used."""
     from hetplan.cost.estimate import estimate
-    from hetplan.runtime.profile_db import ProfileDB, default_db_path
+    from hetplan.measured.profile_db import ProfileDB, default_db_path
 
     path = db or default_db_path()
     profile = ProfileDB(path) if path.exists() else None
@@ -139,7 +139,10 @@ def _fail(console: Console, message: str) -> int:
 
 
 def profile(
-    model: Annotated[str, typer.Option("--model", help="Catalog name or config.json.")],
+    ctx: typer.Context,
+    model: Annotated[
+        str | None, typer.Option("--model", help="Catalog name or config.json.")
+    ] = None,
     device: Annotated[str, typer.Option(help="cpu or cuda:N.")] = "cpu",
     name: Annotated[str | None, typer.Option(help="Device type name (default cpu/GPU).")] = None,
     micro_batch_sizes: Annotated[str, typer.Option(help="Comma-separated.")] = "1,2,4",
@@ -155,9 +158,14 @@ def profile(
     ] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
 ) -> None:
-    """Time each layer's forward and backward on this device into the profile database."""
+    """Time each layer's forward and backward on this device into the profile database
+    (without a subcommand); ``import`` and ``show`` handle measured profiles."""
+    if ctx.invoked_subcommand is not None:
+        return
+    if model is None:
+        raise InputError("--model", "required to profile this device (or: profile import/show)")
+    from hetplan.measured.profile_db import ProfileDB
     from hetplan.model import load_model
-    from hetplan.runtime.profile_db import ProfileDB
 
     spec = load_model(model)
     mbs, tps = _ints(micro_batch_sizes, "--micro-batch-sizes"), _ints(tp, "--tp")
@@ -227,6 +235,9 @@ def _ints(text: str, field: str) -> list[int]:
 
 
 def register(app: typer.Typer) -> None:
-    """Adds the ``launch`` and ``profile`` commands to ``app``."""
+    """Adds the ``launch`` command and the ``profile`` group (measure this device, or
+    ``profile import`` / ``profile show`` measured data) to ``app``."""
+    from hetplan.measured.cli import profile_group
+
     app.command("launch")(launch)
-    app.command("profile")(profile)
+    app.add_typer(profile_group(profile), name="profile")

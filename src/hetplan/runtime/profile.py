@@ -14,9 +14,9 @@ import torch
 from torch.nn import functional as F
 
 from hetplan.cost.compute import LayerTimes
+from hetplan.measured.profile_db import LayerRecord, ProfileDB, shape_key
 from hetplan.model import ModelSpec
 from hetplan.runtime.model_torch import Block, Embed, Head
-from hetplan.runtime.profile_db import LayerRecord, ProfileDB, shape_key
 from hetplan.runtime.state import make_optimizer
 
 

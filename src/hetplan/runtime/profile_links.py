@@ -12,10 +12,10 @@ from typing import Any
 import torch
 
 from hetplan.cost.compute import LayerTimes
+from hetplan.measured.profile_db import ProfileDB
 from hetplan.model import ModelSpec
 from hetplan.runtime.model_torch import Block
 from hetplan.runtime.profile import _ALIGN, _init, measure_compute
-from hetplan.runtime.profile_db import ProfileDB
 
 P2P_SIZES = (4 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20)
 ALLREDUCE_SIZES = (4 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20)

@@ -62,7 +62,7 @@ class ClassTable:
         w, g, o = state_bytes(params, k.precision, k.zero_stage, k.dp_assumed)
         acts = stage_activation_bytes(
             m, layers, self.tp, k.micro_batch, self.tp > 1, k.recompute,
-            k.flash_attention, first, last, p - j, 1,
+            k.flash_attention, first, last, p - j, 1, k.precision,
         )  # fmt: skip
         return w + g + o + acts + self.reserve_bytes
 

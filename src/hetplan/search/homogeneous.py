@@ -198,6 +198,7 @@ class _Scorer:
         stage_t[0] += et.forward_s + et.backward_s + ar
         stage_t[-1] += ht.forward_s + ht.backward_s + ar
         single = c.pp == 1
+        e = element_bytes(precision)
         shape = _Shape(
             split=split,
             stage_t=tuple(stage_t),
@@ -207,11 +208,11 @@ class _Scorer:
             p_last=stage_params(model, split[-1], c.tp, single, True, single),
             act_bytes=act,
             layer_act_bytes=mb
-            * model.layer_activation_bytes(c.tp, c.sequence_parallel, c.recompute, flash),
-            embed_act_bytes=mb * model.embedding_activation_bytes(c.tp, c.sequence_parallel),
-            head_act_bytes=mb * model.head_activation_bytes(c.tp),
+            * model.layer_activation_bytes(c.tp, c.sequence_parallel, c.recompute, flash, e),
+            embed_act_bytes=mb * model.embedding_activation_bytes(c.tp, c.sequence_parallel, e),
+            head_act_bytes=mb * model.head_activation_bytes(c.tp, e),
             working_act_bytes=(
-                mb * model.layer_activation_bytes(c.tp, c.sequence_parallel, "none", flash)
+                mb * model.layer_activation_bytes(c.tp, c.sequence_parallel, "none", flash, e)
                 if c.recompute == "full"
                 else 0.0
             ),

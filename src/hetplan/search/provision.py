@@ -96,9 +96,7 @@ def best_compute_efficiency(
 def _efficiency(
     model: ModelSpec, offer: Offer, precision: str, params: CostParams, flash: bool
 ) -> float:
-    return best_compute_efficiency(
-        model, offer.gpu, offer.gpus_per_node, params, precision, flash
-    )
+    return best_compute_efficiency(model, offer.gpu, offer.gpus_per_node, params, precision, flash)
 
 
 def _flops_to_train(model: ModelSpec, tokens: float) -> float:
