@@ -31,7 +31,7 @@ def test_import_and_show(tmp_path: Path, cli: Runner) -> None:
     added = json.loads(stdout)["added"]
     assert added == {
         "layer_times": 21,
-        "part_times": 42,
+        "part_times": 42 + 15,  # embed + head of 21 entries; zero tp_comm for the 15 with TP > 1
         "optimizer_times": 9,
         "network_fits": 5,
         "network_points": 0,
