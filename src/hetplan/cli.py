@@ -660,11 +660,14 @@ def main() -> None:
         err.print("aborted")
         sys.exit(130)
     except Exception as exc:  # click's usage errors arrive here with standalone_mode off
-        import click
+        try:  # typer >= 0.20 vendors click; older ones depend on it
+            from click import exceptions as click_exc
+        except ModuleNotFoundError:
+            from typer._click import exceptions as click_exc
 
-        if isinstance(exc, click.exceptions.ClickException):
+        if isinstance(exc, click_exc.ClickException):
             exc.show()
             sys.exit(2)
-        if isinstance(exc, click.exceptions.Exit):
+        if isinstance(exc, click_exc.Exit):
             sys.exit(exc.exit_code)
         raise
