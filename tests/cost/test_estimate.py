@@ -12,6 +12,7 @@ PARTS = (
     "backward_s",
     "recompute_s",
     "tensor_parallel_comm_s",
+    "pipeline_p2p_wait_s",
     "pipeline_bubble_s",
     "data_parallel_sync_s",
     "optimizer_s",

@@ -122,6 +122,10 @@ TERMS = (
          "collectives' and sends' share of the NVLink/PCIe bandwidth"),
     Term("network_efficiency", "fraction of network bandwidth", 0.1, 0.95, 0.6, False,
          "collectives' and sends' share of the inter-node network bandwidth"),
+    Term("profile_sync_s", "s per profiled pass", 1e-6, 2e-3, 2e-5, True,
+         "profiler synchronisation in each measured forward/backward pass, absent in a run"),
+    Term("p2p_exposed", "fraction", 0.0, 1.0, 0.5, False,
+         "share of each pipeline transfer the sending and receiving stages wait for"),
     Term("grad_overlap", "fraction", 0.0, 1.0, 0.7, False,
          "share of the gradient all-reduce that runs under the last backward when overlapped"),
 )  # fmt: skip
@@ -185,8 +189,9 @@ def terms_report(eff: GPUEfficiency) -> dict[str, dict[str, Any]]:
     for t in TERMS:
         value = getattr(eff, t.name)
         value = t.prior if value is None else value
+        clamped = min(max(value, t.lower), t.upper)
         span = (math.log(t.upper) - math.log(t.lower)) if t.log else (t.upper - t.lower)
-        pos = (math.log(value) - math.log(t.lower)) if t.log else (value - t.lower)
+        pos = (math.log(clamped) - math.log(t.lower)) if t.log else (clamped - t.lower)
         bound = "lower" if pos <= 1e-3 * span else "upper" if pos >= span * (1 - 1e-3) else None
         out[t.name] = {"value": value, "unit": t.unit, "meaning": t.meaning,
                        "bounds": [t.lower, t.upper], "at_bound": bound}  # fmt: skip

@@ -44,6 +44,8 @@ class StageEstimate:
     capacity_bytes: float
     grad_sync_s: float = 0.0
     optimizer_s: float = 0.0
+    p2p_wait_s: float = 0.0
+    """Per micro-batch, forward and backward: time blocked in its own pipeline transfers."""
     overhead_s: float = 0.0
     """Fixed per-micro-batch cost (all chunks, forward and backward), inside forward_s and
     backward_s."""
@@ -58,7 +60,9 @@ class StageEstimate:
     @property
     def per_micro_batch_s(self) -> float:
         """Returns the stage's time for one micro-batch, forward and backward."""
-        return self.forward_s + self.backward_s + self.recompute_s + self.tp_comm_s
+        return (
+            self.forward_s + self.backward_s + self.recompute_s + self.tp_comm_s + self.p2p_wait_s
+        )
 
     @property
     def headroom_bytes(self) -> float:
@@ -232,6 +236,25 @@ def _stage_times(
     return fwd, bwd, rc, tp_comm, overhead, combine_sources(sources)
 
 
+def p2p_wait_s(sends: list[float], j: int, v: int, exposed: float) -> float:
+    """Returns the time stage ``j`` of a pipeline (``sends[k]``: one transfer from stage k to
+    k+1, wrapping for interleaved chunks) spends blocked in its own transfers per
+    micro-batch: forward, receive the input and send the output; backward, the same for
+    the gradients; the ``exposed`` share of each (1: blocking send/recv as in DeepSpeed's
+    pipeline engine, 0: fully asynchronous)."""
+    p = len(sends)
+    if p <= 1 or exposed <= 0:
+        return 0.0
+    total = 0.0
+    for c in range(v):
+        vs = c * p + j
+        if vs > 0:
+            total += sends[(j - 1) % p]
+        if vs < p * v - 1:
+            total += sends[j]
+    return 2.0 * exposed * total
+
+
 def zero3_exposed_s(gather_s: float, compute_s: float) -> float:
     """Returns the part of ZeRO-3's per-micro-batch parameter gathers (forward and backward,
     together the volume of one all-reduce) that prefetching cannot hide behind compute."""
@@ -386,9 +409,16 @@ def estimate(
                     compute_source=src,
                 )
             )
+        for j, st in enumerate(row):
+            st.p2p_wait_s = p2p_wait_s(
+                [x.send_s for x in row], j, v, params.gpu(st.gpu).p2p_exposed
+            )
         # chunk times: layers split evenly over v chunks; embedding on chunk 0, head on v-1
-        fwd_c = [[st.forward_s / v] * v for st in row]
-        bwd_c = [[(st.backward_s + st.recompute_s + st.tp_comm_s) / v] * v for st in row]
+        fwd_c = [[(st.forward_s + st.p2p_wait_s / 2) / v] * v for st in row]
+        bwd_c = [
+            [(st.backward_s + st.recompute_s + st.tp_comm_s + st.p2p_wait_s / 2) / v] * v
+            for st in row
+        ]
         sends = [st.send_s for st in row]
         sig = (
             plan.schedule,
@@ -458,7 +488,10 @@ def estimate(
         "backward_s": n_mb * crit.backward_s,
         "recompute_s": n_mb * crit.recompute_s,
         "tensor_parallel_comm_s": n_mb * crit.tp_comm_s,
-        "pipeline_bubble_s": crit.last_backward_end_s - compute - n_mb * crit.tp_comm_s,
+        "pipeline_p2p_wait_s": n_mb * crit.p2p_wait_s,
+        "pipeline_bubble_s": crit.last_backward_end_s
+        - compute
+        - n_mb * (crit.tp_comm_s + crit.p2p_wait_s),
         "pipeline_send_s_per_micro_batch": crit.send_s,
         "data_parallel_sync_s": crit.sync_end_s - crit.last_backward_end_s,
         "data_parallel_sync_total_s": crit.grad_sync_s,

@@ -34,6 +34,13 @@ class GPUEfficiency:
     """Fixed time per micro-batch per stage and model chunk, split evenly between its forward
     and its backward action: kernel launches of the framework's step, the pipeline engine's
     bookkeeping, point-to-point handshakes (seconds)."""
+    profile_sync_s: float = 0.0
+    """Per timed forward or backward pass of a profiled piece: the profiler's synchronisation
+    and timer cost, which a real run (queueing kernels ahead) does not pay; subtracted from
+    measured times only."""
+    p2p_exposed: float = 0.0
+    """Share of each pipeline transfer its sending and receiving stages wait for (blocking
+    send/recv: 1; transfers fully hidden behind compute: 0)."""
     grad_overlap: float = 1.0
     """Fraction of the data-parallel gradient reduction that can run under the last backward
     pass when the plan overlaps it (bucketing leaves the last bucket exposed; frameworks
@@ -48,8 +55,11 @@ class GPUEfficiency:
                 raise InputError(f"calibration.{name}", "must lie in (0, 1]")
         if self.gemm_half_dim < 0 or self.kernel_overhead_s < 0:
             raise InputError("calibration", "half dimension and overhead must be >= 0")
-        if self.microbatch_overhead_s < 0:
-            raise InputError("calibration.microbatch_overhead_s", "must be >= 0")
+        for name in ("microbatch_overhead_s", "profile_sync_s"):
+            if getattr(self, name) < 0:
+                raise InputError(f"calibration.{name}", "must be >= 0")
+        if not 0 <= self.p2p_exposed <= 1:
+            raise InputError("calibration.p2p_exposed", "must lie in [0, 1]")
         if not 0 <= self.grad_overlap <= 1:
             raise InputError("calibration.grad_overlap", "must lie in [0, 1]")
 

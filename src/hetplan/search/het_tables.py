@@ -46,6 +46,8 @@ class ClassTable:
     head_s: float
     overhead_s: float
     """The fixed cost per micro-batch of any stage of this class (CostParams)."""
+    p2p_exposed: float
+    """Share of each pipeline transfer a stage of this class waits for (CostParams)."""
     send_intra_s: float
     send_inter_s: float
     groups: int
@@ -105,6 +107,7 @@ def class_table(
         embedding_s=et.forward_s + et.backward_s + ar,
         head_s=ht.forward_s + ht.backward_s + ar,
         overhead_s=eff.microbatch_overhead_s,
+        p2p_exposed=eff.p2p_exposed,
         send_intra_s=comm.p2p_s(act / tp, node, node, params),
         send_inter_s=comm.p2p_s(act / tp, node, peer, params, concurrency=tp),
         groups=len(cls.groups(tp)),
@@ -134,6 +137,7 @@ class StageArrays:
         self.embedding_s = np.array([t.embedding_s for t in tables])
         self.head_s = np.array([t.head_s for t in tables])
         self.overhead_s = np.array([t.overhead_s for t in tables])
+        self.p2p_exposed = np.array([t.p2p_exposed for t in tables])
         self.intra_s = np.array([t.send_intra_s for t in tables])
         self.inter_s = np.array([t.send_inter_s for t in tables])
         self.pair_in_node = np.array([t.cls.gpus_per_node >= 2 * t.tp for t in tables])
@@ -158,6 +162,12 @@ class StageArrays:
         a, b = k[:-1], k[1:]
         same = (a == b) & self.pair_in_node[a]
         hop = np.where(same, self.intra_s[a], np.maximum(self.inter_s[a], self.inter_s[b]))
+        # blocked in its own transfers (estimate.p2p_wait_s with v = 1): both directions of
+        # the hop to the previous and to the next stage
+        wait = np.zeros(p)
+        wait[1:] += hop
+        wait[:-1] += hop
+        fixed += 2.0 * self.p2p_exposed[k] * wait
         return tau, fixed, caps, 2.0 * float(hop.sum())
 
 

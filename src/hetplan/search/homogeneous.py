@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from hetplan.cluster import Cluster
 from hetplan.cost import comm
 from hetplan.cost.compute import optimizer_time_s
-from hetplan.cost.estimate import Estimate, estimate, zero3_exposed_s
+from hetplan.cost.estimate import Estimate, estimate, p2p_wait_s, zero3_exposed_s
 from hetplan.cost.memory import (
     combine_activation_bytes,
     stage_params,
@@ -285,8 +285,13 @@ class _Scorer:
         else:
             send = 0.0
         v = c.virtual_stages
-        per_mb = v * params.gpu(node.gpu.name).microbatch_overhead_s
-        stage_t = [t + per_mb for t in shape.stage_t]
+        eff = params.gpu(node.gpu.name)
+        per_mb = v * eff.microbatch_overhead_s
+        sends = [send] * c.pp
+        stage_t = [
+            t + per_mb + p2p_wait_s(sends, j, v, eff.p2p_exposed)
+            for j, t in enumerate(shape.stage_t)
+        ]
         p_local = shape.p_first
         if c.dp > 1 and c.zero_stage == 3:
             gather = self.dp_allreduce_s(p_local * element_bytes(precision), c, 1.0)
