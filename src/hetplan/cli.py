@@ -457,34 +457,50 @@ def explain(
 
 @app.command()
 def calibrate(
-    runs: Annotated[Path, typer.Option("--runs", help="CSV of measured runs")],
+    runs: Annotated[
+        Path,
+        typer.Option(
+            "--runs",
+            help="Measured runs: a CSV (Megatron, AMP, Sailor or generic format) or a YAML "
+            "manifest of plan files with measured iteration times",
+        ),
+    ],
     out_path: Annotated[Path | None, typer.Option("--out", help="Write fitted parameters")] = None,
     as_json: JsonOpt = False,
     profile_path: ProfileOpt = None,
+    loo: Annotated[
+        bool, typer.Option("--loo/--no-loo", help="Cold leave-one-out error (one fit per row)")
+    ] = True,
 ) -> None:
-    """Fit the cost model's efficiency parameters to measured runs; report the error.
+    """Fit the cost model's physical terms to measured runs; report terms, bounds and error.
 
     With a profile, the runs are predicted with its measured compute times, so the fit
     learns only what the profile does not cover (use the same --profile when predicting)."""
-    from hetplan.cost.calibrate import calibrate_file
+    from hetplan.cost.calibrate import fit, in_sample, leave_one_out
+    from hetplan.cost.runs import load_runs
 
     db = open_profile(profile_path)
-    if db is None:
-        _, report = calibrate_file(runs, out_path)
-    else:
-        from hetplan.cost.calibrate import calibrate_runs
-        from hetplan.cost.runs import load_runs
-
-        fitted, by_file = calibrate_runs(load_runs(runs), CostParams().with_profile(db))
-        if out_path is not None:
-            fitted.save(out_path)
-        report = by_file.get(runs.name, {})
+    start = CostParams() if db is None else CostParams().with_profile(db)
+    measured_runs = load_runs(runs)
+    fitted = fit(measured_runs, start)
+    by_file = (leave_one_out(measured_runs, fitted, None, start) if loo
+               else in_sample(measured_runs, fitted))  # fmt: skip
+    report = by_file.get(runs.name, {})
+    summary = {k: v for k, v in report.items() if k != "rows"}
+    if out_path is not None:
+        key = "loo" if loo else "in_sample"
+        report_out = {**fitted.fit_report, key: {runs.name: summary}}
+        fitted = dataclasses.replace(fitted, fit_report=report_out)
+        fitted.save(out_path)
     if as_json:
-        out.print_json(json.dumps(report))
+        out.print_json(json.dumps({**report, "terms": fitted.fit_report.get("terms", {})}))
         return
     from rich.table import Table
 
-    table = Table(title=f"{runs.name}: leave-one-out predictions", header_style="bold")
+    from hetplan.report.explain import fitted_terms_table
+
+    kind = "cold leave-one-out" if loo else "in-sample"
+    table = Table(title=f"{runs.name}: {kind} predictions", header_style="bold")
     for col in ("run", "metric", "predicted", "measured", "error"):
         table.add_column(col, justify="left" if col in ("run", "metric") else "right")
     for row in report.get("rows", []):
@@ -497,7 +513,9 @@ def calibrate(
             "-" if row.get("error_pct") is None else f"{row['error_pct']:+.1f}%",
         )
     out.print(table)
-    summary = {k: v for k, v in report.items() if k != "rows"}
+    terms = fitted_terms_table({"fitted_terms": fitted.fit_report.get("terms", {})})
+    if terms is not None:
+        out.print(terms)
     out.print(
         ", ".join(
             f"{k}: {v:.3g}" if isinstance(v, float) else f"{k}: {v}" for k, v in summary.items()

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from hetplan.cost.calibrate import fit_reserve_bytes, load_runs, shipped_files
-from hetplan.cost.estimate import estimate
+from hetplan.cost.calibrate import (
+    fit_reserve_bytes,
+    load_runs,
+    memory_slack_bytes,
+    shipped_files,
+)
 from hetplan.cost.memory import stage_activation_bytes, state_bytes, zero3_working_bytes
 from hetplan.cost.params import default_params
 from hetplan.model import ModelSpec
@@ -78,19 +82,23 @@ def test_fit_reserve_is_largest_that_keeps_measured_rows():
     assert fit_reserve_bytes([(1e9, False)], 1.5e9) == 1.5e9
 
 
-def test_amp_oom_classification_with_shipped_params():
-    """With the shipped parameters every AMP run that ran fits and 3 of the 5 OOM rows do not."""
+def test_amp_oom_rows_flagged_by_a_reserve_fitted_without_them():
+    """Held out: each AMP row is classified by a reserve fitted on the other rows only, so a
+    row that ran can be wrongly flagged and an OOM row missed (AMP's published trials: 47
+    ran, 5 ran out of memory on 16 GB T4s)."""
     params = default_params()
     path = next(p for p in shipped_files() if p.name.startswith("amp"))
-    ran_fit, oom_flagged, oom = 0, 0, 0
     runs = load_runs(path)
-    for run in runs:
-        assert run.plan is not None
-        fits = estimate(run.plan, run.model, run.cluster, params, validate=False).fits
+    slack = [memory_slack_bytes(r, params) for r in runs]
+    flagged_oom = wrongly_flagged = 0
+    for i, run in enumerate(runs):
+        ran = [r.measured is not None for r in runs]
+        others = [(v, ok) for j, (v, ok) in enumerate(zip(slack, ran, strict=True)) if j != i]
+        fits = fit_reserve_bytes(others, params.memory_reserve_bytes) <= slack[i]
         if run.measured is None:
-            oom += 1
-            oom_flagged += not fits
+            flagged_oom += not fits
         else:
-            ran_fit += fits
-    assert ran_fit == sum(r.measured is not None for r in runs)
-    assert (oom_flagged, oom) == (3, 5)
+            wrongly_flagged += not fits
+    assert sum(r.measured is None for r in runs) == 5
+    assert flagged_oom >= 3
+    assert wrongly_flagged <= 1

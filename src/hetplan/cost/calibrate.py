@@ -43,7 +43,6 @@ __all__ = [
     "METRICS",
     "Knobs",
     "Run",
-    "calibrate_file",
     "calibrate_runs",
     "first_pick",
     "fit",
@@ -418,15 +417,6 @@ def leave_one_out(
             row["fits"] = held_reserve[i] <= slack[i]
         rows.setdefault(run.source, []).append(row)
     return {src: {**_summary(r, loo=True), "rows": r} for src, r in rows.items()}
-
-
-def calibrate_file(path: Path, out_path: Path | None = None) -> tuple[CostParams, dict[str, Any]]:
-    """Returns parameters fitted to the runs of ``path`` and their leave-one-out report;
-    writes the parameters (with the report's summary) to ``out_path`` if given."""
-    params, report = calibrate_runs(load_runs(path))
-    if out_path is not None:
-        params.save(out_path)
-    return params, report.get(path.name, {})
 
 
 def shipped_files() -> list[Path]:
