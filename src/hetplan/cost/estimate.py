@@ -341,6 +341,8 @@ def estimate(
     pipeline_times: list[float] = []
     by_pipe: list[list[StageEstimate]] = []
     replay_cache: dict[tuple[Any, ...], Replay] = {}
+    stage_memo: dict[tuple[Any, ...], tuple[float, float, float, float, float, str]] = {}
+    opt_memo: dict[tuple[Any, ...], float] = {}
     for r, pipe in enumerate(plan.pipelines):
         p = len(pipe.stages)
         m = plan.num_micro_batches(pipe)
@@ -349,10 +351,16 @@ def estimate(
         for j, stage in enumerate(pipe.stages):
             node = nodes[j]
             first, last = j == 0, j == p - 1
-            key = _StageKey(
-                node.gpu, node.intra_node_bytes_per_s, stage.tp, stage.layers, first, last, p == 1
-            )
-            fwd, bwd, rc, tpc, over, src = _stage_times(plan, model, key, node, params, links)
+            # replicas repeat the same stages: compute each distinct one once
+            memo_key = (id(node), stage.tp, stage.layers, first, last, p == 1)
+            hit = stage_memo.get(memo_key)
+            if hit is None:
+                key = _StageKey(
+                    node.gpu, node.intra_node_bytes_per_s, stage.tp, stage.layers, first, last,
+                    p == 1,
+                )  # fmt: skip
+                hit = stage_memo[memo_key] = _stage_times(plan, model, key, node, params, links)
+            fwd, bwd, rc, tpc, over, src = hit
             p_local = stage_params(model, stage.layers, stage.tp, first, last, p == 1)
             if plan.zero_stage == 3 and (r, j) in dp_members:
                 group = dp_members[(r, j)]
@@ -386,10 +394,13 @@ def estimate(
             mem = MemoryBreakdown(w, g, o, acts, params.memory_reserve_bytes)
             eff = params.gpu(node.gpu.name)
             shards = dp if plan.zero_stage >= 1 else 1
-            pieces = [("layer", stage.layers), ("embed", int(first)), ("head", int(last))]
-            opt_s, _ = params.compute.optimizer_s(
-                model, node.gpu, eff, stage.tp, plan.precision, pieces, p_local, shards
-            )
+            opt_key = (id(node.gpu), stage.tp, stage.layers, first, last, p_local, shards)
+            opt_s = opt_memo.get(opt_key, -1.0)
+            if opt_s < 0:
+                pieces = [("layer", stage.layers), ("embed", int(first)), ("head", int(last))]
+                opt_s = opt_memo[opt_key] = params.compute.optimizer_s(
+                    model, node.gpu, eff, stage.tp, plan.precision, pieces, p_local, shards
+                )[0]
             row.append(
                 StageEstimate(
                     pipeline=r,

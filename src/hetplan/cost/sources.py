@@ -32,6 +32,8 @@ from hetplan.hardware import GPUType, get_gpu
 from hetplan.model import ModelSpec
 
 SOURCE_ORDER = ("measured", "interpolated", "scaled", "analytical")
+_MISSING = object()
+_BY_ID = {ModelSpec, GPUType, GPUEfficiency}
 
 
 class LayerTimeSource(Protocol):
@@ -126,6 +128,7 @@ class ComputeSource:
         self.profile = profile
         self._memo: dict[tuple[Any, ...], Any] = {}
         self._points: list[_Point] | None = None
+        self._alive: dict[int, Any] = {}
 
     def cached(self, key: tuple[Any, ...], make: Any) -> Any:
         """Returns ``make()``, computed once per ``key`` for this source (searches' tables)."""
@@ -139,11 +142,23 @@ class ComputeSource:
         """Returns ``profile.method(*args)``, or None without a profile or such a method."""
         if self.profile is None:
             return None
-        key = ("ask", method, *args)
-        if key not in self._memo:
+        key = ("ask", method, *map(self._ident, args))
+        hit = self._memo.get(key, _MISSING)
+        if hit is _MISSING:
             fn = getattr(self.profile, method, None)
-            self._memo[key] = fn(*args) if fn is not None else None
-        return self._memo[key]
+            hit = self._memo[key] = fn(*args) if fn is not None else None
+        return hit
+
+    def _ident(self, obj: Any) -> Any:
+        """Returns a cheap memo key of ``obj``: its id for models, GPU types and efficiencies
+        (hashing a frozen dataclass walks its fields; the object is kept alive here, so its
+        id stays unique), the object itself otherwise."""
+        if type(obj) in _BY_ID:
+            ident = id(obj)
+            if ident not in self._alive:
+                self._alive[ident] = obj
+            return ident
+        return obj
 
     def network_bw(self, gpu_name: str, scope: str, n: int, size_bytes: float) -> float | None:
         """Returns the measured achieved bandwidth (bytes/s) of a message of ``size_bytes``
@@ -226,7 +241,9 @@ class ComputeSource:
         """Returns one transformer layer's times for one micro-batch on one TP rank."""
         eff = params.gpu(gpu.name)
         borrow = gpu.name not in params.gpus
-        key = ("layer", model, gpu, eff, borrow, tp, mb, precision, flash)
+        key = ("layer", id(model), id(gpu), self._ident(eff), borrow, tp, mb, precision, flash)
+        self._ident(model)
+        self._ident(gpu)
         hit = self._memo.get(key)
         if hit is not None:
             return hit
@@ -261,7 +278,8 @@ class ComputeSource:
     ) -> Sourced:
         eff = params.gpu(gpu.name)
         borrow = gpu.name not in params.gpus
-        key = (part, model, gpu, eff, borrow, tp, mb, precision, flash)
+        key = (part, self._ident(model), self._ident(gpu), self._ident(eff), borrow, tp, mb,
+               precision, flash)  # fmt: skip
         hit = self._memo.get(key)
         if hit is not None:
             return hit
