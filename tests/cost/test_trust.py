@@ -1,0 +1,74 @@
+"""Trust signals: every estimate says when it leaves the ground measured runs cover."""
+
+import pytest
+
+from hetplan.cluster import parse_inline_cluster
+from hetplan.cost import params as params_module
+from hetplan.cost.estimate import estimate
+from hetplan.cost.params import CostParams, GPUEfficiency
+from hetplan.errors import InputError
+from hetplan.model import load_model
+from hetplan.search.layout import uniform_plan
+
+COVERAGE = {
+    "A100-80GB": {"tp": [1, 2, 4, 8], "pp": [1, 2, 4], "zero": [0, 1], "precision": ["fp16"],
+                  "max_gpus": 64, "best_mfu": 0.5, "runs": 3},
+}  # fmt: skip
+
+
+def _params(best_mfu: float = 0.5) -> CostParams:
+    cov = {"A100-80GB": {**COVERAGE["A100-80GB"], "best_mfu": best_mfu}}
+    return CostParams(gpus={"A100-80GB": GPUEfficiency()}, fit_report={"coverage": cov})
+
+
+def test_plan_inside_the_covered_regime_has_no_warning():
+    cluster = parse_inline_cluster("A100-80GB:2x8")
+    plan = uniform_plan(cluster, 24, 2, 2, 4, 1, 64, precision="fp16")
+    est = estimate(plan, load_model("gpt3-1.3b"), cluster, _params(best_mfu=0.99))
+    assert est.warnings == []
+
+
+def test_zero3_tp_and_scale_outside_the_runs_are_named():
+    cluster = parse_inline_cluster("A100-80GB:32x8")
+    plan = uniform_plan(cluster, 24, 1, 1, 256, 1, 256, precision="bf16", zero_stage=3)
+    est = estimate(plan, load_model("gpt3-1.3b"), cluster, _params(best_mfu=0.99))
+    (warning,) = est.warnings
+    assert "ZeRO-3" in warning and "bf16" in warning and "256 GPUs" in warning
+
+
+def test_mfu_above_the_best_measured_is_flagged():
+    cluster = parse_inline_cluster("A100-80GB:1x8")
+    plan = uniform_plan(cluster, 24, 1, 1, 8, 1, 64, precision="fp16")
+    est = estimate(plan, load_model("gpt3-1.3b"), cluster, _params(best_mfu=0.05))
+    assert est.mfu > 0.05
+    assert any("above the best measured" in w for w in est.warnings)
+
+
+def test_gpu_without_fitted_terms_is_flagged():
+    cluster = parse_inline_cluster("L4:1x4")
+    plan = uniform_plan(cluster, 24, 1, 1, 4, 1, 16, precision="bf16")
+    est = estimate(plan, load_model("gpt3-350m"), cluster, _params())
+    assert any("L4 has no fitted parameters" in w for w in est.warnings)
+
+
+def test_missing_shipped_calibration_is_an_error(monkeypatch, tmp_path):
+    class _Empty:
+        def joinpath(self, name):
+            return tmp_path / name
+
+    monkeypatch.setattr(params_module.resources, "files", lambda _: _Empty())
+    params_module.default_params.cache_clear()
+    try:
+        with pytest.raises(InputError) as info:
+            params_module.default_params()
+        assert info.value.field == "calibration"
+    finally:
+        monkeypatch.undo()
+        params_module.default_params.cache_clear()
+
+
+def test_precision_peak_is_reported():
+    cluster = parse_inline_cluster("A100-80GB:1x8")
+    plan = uniform_plan(cluster, 24, 1, 1, 8, 1, 64, precision="tf32")
+    est = estimate(plan, load_model("gpt3-1.3b"), cluster, _params())
+    assert "156" in est.peak_used["A100-80GB"]  # the datasheet's dense TF32 rate
