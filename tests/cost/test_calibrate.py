@@ -1,3 +1,4 @@
+import json
 import math
 import random
 from dataclasses import replace
@@ -10,7 +11,7 @@ from hetplan.cost.calibrate import Run, fit, in_sample, leave_one_out, load_runs
 from hetplan.cost.estimate import estimate
 from hetplan.cost.params import CostParams, GPUEfficiency
 from hetplan.errors import InputError
-from hetplan.model import ModelSpec
+from hetplan.model import ModelSpec, load_model
 from hetplan.search.layout import uniform_plan
 
 DATA = Path(__file__).resolve().parents[2] / "src/hetplan/data/calibration"
@@ -45,6 +46,45 @@ def test_fit_recovers_known_terms_from_noisy_runs():
     assert got.gemm_max == pytest.approx(TRUE.gemm_max, rel=0.15)
     assert got.microbatch_overhead_s == pytest.approx(TRUE.microbatch_overhead_s, rel=0.3)
     assert got.network_efficiency == pytest.approx(TRUE.network_efficiency, rel=0.2)
+
+
+A100_TRUE = GPUEfficiency(gemm_max=0.8, gemm_half_dim=64.0, mem_efficiency=0.85,
+                          kernel_overhead_s=5e-6, link_efficiency=0.8, network_efficiency=0.7,
+                          microbatch_overhead_s=1e-3, p2p_exposed=0.3)  # fmt: skip
+
+
+def test_heterogeneous_plan_files_fit_both_gpu_types_jointly(tmp_path):
+    """Mixed-cluster runs given as plan files: one fit recovers the terms of both types."""
+    cluster = parse_inline_cluster("A100-80GB:1x4,T4:1x4")
+    a100 = [f"a100-80gb-0:{i}" for i in range(4)]
+    t4 = [f"t4-0:{i}" for i in range(4)]
+    truth = CostParams().with_gpu("T4", TRUE).with_gpu("A100-80GB", A100_TRUE)
+    rng = random.Random(1)
+    items = []
+    for k, (hidden, devices, tp, pp, dp, mb) in enumerate([
+        (1024, a100, 1, 1, 4, 1), (1024, a100, 2, 2, 1, 2), (512, a100, 1, 2, 2, 4),
+        (1024, t4, 1, 1, 4, 1), (768, t4, 2, 1, 2, 2), (512, t4, 1, 4, 1, 1),
+        (1024, a100 + t4, 1, 2, 4, 1), (768, a100 + t4, 2, 2, 2, 2), (512, a100 + t4, 1, 2, 4, 4),
+        (1024, t4 + a100, 1, 2, 4, 2), (768, a100 + t4, 4, 2, 1, 1), (512, t4, 4, 1, 1, 2),
+    ]):  # fmt: skip
+        config = tmp_path / f"m{k}" / "config.json"
+        config.parent.mkdir()
+        config.write_text(json.dumps({"n_embd": hidden, "n_layer": 8, "n_head": 8,
+                                      "vocab_size": 8192, "n_positions": 512}))  # fmt: skip
+        plan = uniform_plan(cluster, 8, tp, pp, dp, mb, 32, devices, precision="fp16",
+                            flash_attention=False)  # fmt: skip
+        plan.save(tmp_path / f"p{k}.json")
+        est = estimate(plan, load_model(str(config)), cluster, truth)
+        measured = est.iteration_time_s * math.exp(rng.gauss(0.0, 0.01))
+        items.append({"plan": f"p{k}.json", "model": str(config),
+                      "cluster": "A100-80GB:1x4,T4:1x4", "measured_iter_s": measured})  # fmt: skip
+    (tmp_path / "runs.yaml").write_text(json.dumps({"runs": items}))
+    runs = load_runs(tmp_path / "runs.yaml")
+    assert any(len({s.devices[0][:2] for s in r.plan.pipelines[0].stages}) == 2 for r in runs)
+    got = fit(runs)
+    assert got.gpu("A100-80GB").gemm_max == pytest.approx(A100_TRUE.gemm_max, rel=0.15)
+    assert got.gpu("T4").gemm_max == pytest.approx(TRUE.gemm_max, rel=0.15)
+    assert in_sample(runs, got)["runs.yaml"]["mae_pct"] < 3.0
 
 
 def test_leave_one_out_is_cold():

@@ -154,18 +154,48 @@ def _unpack(x: np.ndarray) -> GPUEfficiency:
     )
 
 
-def _gpu_of(run: Run) -> str:
-    return run.cluster.nodes[0].gpu.name
+def _gpus_of(run: Run) -> frozenset[str]:
+    """Returns the GPU types a run uses (its plan's devices; its cluster's without a plan)."""
+    if run.plan is not None:
+        return frozenset(run.cluster.device_node(d).gpu.name for d in run.plan.devices())
+    return frozenset(n.gpu.name for n in run.cluster.nodes)
 
 
-def _residuals(x: np.ndarray, runs: list[Run], base: CostParams, gpu: str) -> np.ndarray:
-    params = base.with_gpu(gpu, _unpack(x))
+def _components(runs: list[Run]) -> list[tuple[tuple[str, ...], list[Run]]]:
+    """Returns groups of GPU types linked by runs that use several of them (a mixed
+    cluster's run constrains every type it uses), each with the runs touching it."""
+    groups: list[set[str]] = []
+    for run in runs:
+        gpus = set(_gpus_of(run))
+        linked = [g for g in groups if g & gpus]
+        for g in linked:
+            groups.remove(g)
+            gpus |= g
+        groups.append(gpus)
+    out = []
+    for g in sorted(groups, key=sorted):
+        out.append((tuple(sorted(g)), [r for r in runs if _gpus_of(r) & g]))
+    return out
+
+
+def _with_terms(base: CostParams, gpus: tuple[str, ...], x: np.ndarray) -> CostParams:
+    n = len(TERMS)
+    params = base
+    for i, gpu in enumerate(gpus):
+        params = params.with_gpu(gpu, _unpack(x[i * n : (i + 1) * n]))
+    return params
+
+
+def _residuals(
+    x: np.ndarray, runs: list[Run], base: CostParams, gpus: tuple[str, ...]
+) -> np.ndarray:
+    params = _with_terms(base, gpus, x)
     out = []
     for run in runs:
         assert run.plan is not None and run.measured is not None
         est = estimate(run.plan, run.model, run.cluster, params, validate=False)
         out.append(math.log(run.predict(est) / run.measured))
-    for xi, t in zip(x, TERMS, strict=True):
+    for xi, t in zip(x, TERMS * len(gpus), strict=True):
         out.append(PRIOR_WEIGHT * ((xi - math.log(t.prior)) if t.log else (xi / t.prior - 1.0)))
     return np.array(out)
 
@@ -174,12 +204,16 @@ def _prior_eff() -> GPUEfficiency:
     return GPUEfficiency(**{t.name: t.prior for t in TERMS})
 
 
-def _fit_gpu(runs: list[Run], base: CostParams, gpu: str, max_nfev: int) -> GPUEfficiency:
-    x0, lo, hi = _pack(_prior_eff())
+def _fit_group(
+    runs: list[Run], base: CostParams, gpus: tuple[str, ...], max_nfev: int
+) -> CostParams:
+    """Returns ``base`` with the terms of ``gpus`` fitted jointly, from their priors."""
+    x0, lo, hi = (np.concatenate([v] * len(gpus)) for v in _pack(_prior_eff()))
     # a tolerance of 1e-4 on log errors is far below the data's own noise (~1%)
-    sol = least_squares(_residuals, x0, bounds=(lo, hi), args=(runs, base, gpu), x_scale="jac",
-                        ftol=1e-4, xtol=1e-4, gtol=1e-4, max_nfev=max_nfev)  # fmt: skip
-    return _unpack(sol.x)
+    sol = least_squares(_residuals, x0, bounds=(lo, hi), args=(runs, base, gpus),
+                        x_scale="jac", ftol=1e-4, xtol=1e-4, gtol=1e-4,
+                        max_nfev=max_nfev * len(gpus))  # fmt: skip
+    return _with_terms(base, gpus, sol.x)
 
 
 def terms_report(eff: GPUEfficiency) -> dict[str, dict[str, Any]]:
@@ -217,9 +251,10 @@ def _with_default(params: CostParams) -> CostParams:
 
 def fit(runs: Iterable[Run], start: CostParams | None = None, max_nfev: int = MAX_EVALUATIONS
         ) -> CostParams:  # fmt: skip
-    """Returns parameters fitted from their priors, per GPU type, to that type's measured
-    runs (OOM rows are ignored); types without runs keep ``start``'s values. ``start``
-    also brings the profile (measured compute) the runs are predicted with."""
+    """Returns parameters fitted from their priors to the measured runs (OOM rows are
+    ignored): per GPU type, or jointly for GPU types that mixed-cluster runs link; types
+    without runs keep ``start``'s values. ``start`` also brings the profile (measured
+    compute) the runs are predicted with."""
     params = start or CostParams()
     runs = list(runs)
     measured = [r for r in runs if r.measured is not None]
@@ -228,13 +263,12 @@ def fit(runs: Iterable[Run], start: CostParams | None = None, max_nfev: int = MA
     # knobs the search chooses are fixed with the prior terms, then chosen again with the
     # fitted ones and the fit repeated
     rounds = 2 if any(r.knobs for r in measured) else 1
-    for gpu in sorted({_gpu_of(r) for r in measured}):
+    for gpu in sorted(set().union(*(_gpus_of(r) for r in measured))):
         params = params.with_gpu(gpu, _prior_eff())
     for _ in range(rounds):
         fixed = [resolve(r, params) for r in measured]
-        for gpu in sorted({_gpu_of(r) for r in fixed}):
-            group = [r for r in fixed if _gpu_of(r) == gpu]
-            params = params.with_gpu(gpu, _fit_gpu(group, params, gpu, max_nfev))
+        for gpus, group in _components(fixed):
+            params = _fit_group(group, params, gpus, max_nfev)
     params = _with_default(params)
     reserve = fit_reserve_bytes(_memory_rows(list(runs), params), params.memory_reserve_bytes)
     report = {gpu: terms_report(eff) for gpu, eff in params.gpus.items()}
@@ -244,8 +278,8 @@ def fit(runs: Iterable[Run], start: CostParams | None = None, max_nfev: int = MA
         est = estimate(run.plan, run.model, run.cluster, params, validate=False)
         pred = run.predict(est)
         ratio = pred / run.measured if run.metric == "iter_time_s" else run.measured / pred
-        gpu = _gpu_of(run)
-        coverage[gpu] = add_coverage(coverage.get(gpu, {}), run.plan, est.mfu * ratio)
+        for gpu in _gpus_of(run):
+            coverage[gpu] = add_coverage(coverage.get(gpu, {}), run.plan, est.mfu * ratio)
     return replace(params, memory_reserve_bytes=reserve,
                    fit_report={**params.fit_report, "terms": report,
                                "coverage": coverage})  # fmt: skip
@@ -367,9 +401,9 @@ def _cold_fold(i: int, runs: list[Run], start: CostParams) -> dict[str, Any] | N
     run = runs[i]
     if run.measured is None:
         return None
-    gpu = _gpu_of(run)
-    group = [r for j, r in enumerate(runs) if j != i and r.measured is not None
-             and _gpu_of(r) == gpu]  # fmt: skip
+    others = [r for j, r in enumerate(runs) if j != i and r.measured is not None]
+    linked = next((g for gpus, g in _components([run, *others]) if run in g), [])
+    group = [r for r in linked if r is not run]
     held = fit(group, start) if group else start
     return _row(run, held)
 
