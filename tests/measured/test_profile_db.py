@@ -111,10 +111,11 @@ def test_shape_key_round_trip() -> None:
 
 
 def test_cost_model_reads_interpolated_times(sailor_db: ProfileDB) -> None:
-    from hetplan.cost.params import default_params
+    from hetplan.cost.params import CostParams
     from hetplan.cost.sources import ComputeSource
 
-    got = ComputeSource(sailor_db).layer(OPT, GH200, default_params(), 1, 12, "tf32", True)
+    # CostParams(): no profiler-synchronisation correction, the rows as stored
+    got = ComputeSource(sailor_db).layer(OPT, GH200, CostParams(), 1, 12, "tf32", True)
     assert got.source == "interpolated"
     assert got.times.forward_s == pytest.approx((layer_mean(8, 1, 0) + layer_mean(16, 1, 0)) / 2)
     assert got.times.selective_recompute_s > 0  # unknown in the data: the model fills it in

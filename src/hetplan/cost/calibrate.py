@@ -103,6 +103,15 @@ class Term:
     prior: float
     log: bool
     meaning: str
+    scale: float = 0.0
+    """Linear terms: the distance from the prior that costs as much as doubling a log term
+    (0: the prior itself, for terms whose prior is not 0)."""
+
+    def prior_residual(self, x: float) -> float:
+        """Returns the weighted distance of the packed value ``x`` from the prior."""
+        if self.log:
+            return PRIOR_WEIGHT * (x - math.log(self.prior))
+        return PRIOR_WEIGHT * (x - self.prior) / (self.scale or self.prior)
 
 
 TERMS = (
@@ -121,8 +130,9 @@ TERMS = (
          "collectives' and sends' share of the NVLink/PCIe bandwidth"),
     Term("network_efficiency", "fraction of network bandwidth", 0.1, 0.95, 0.6, False,
          "collectives' and sends' share of the inter-node network bandwidth"),
-    Term("profile_sync_s", "s per profiled pass", 1e-6, 2e-3, 2e-5, True,
-         "profiler synchronisation in each measured forward/backward pass, absent in a run"),
+    Term("profile_sync_s", "s per profiled pass", 0.0, 2e-3, 0.0, False,
+         "profiler synchronisation in each measured forward/backward pass, absent in a run "
+         "(0 unless runs with a profile say otherwise)", scale=1e-4),
     Term("p2p_exposed", "fraction", 0.0, 1.0, 0.5, False,
          "share of each pipeline transfer the sending and receiving stages wait for"),
     Term("grad_overlap", "fraction", 0.0, 1.0, 0.7, False,
@@ -196,7 +206,7 @@ def _residuals(
         est = estimate(run.plan, run.model, run.cluster, params, validate=False)
         out.append(math.log(run.predict(est) / run.measured))
     for xi, t in zip(x, TERMS * len(gpus), strict=True):
-        out.append(PRIOR_WEIGHT * ((xi - math.log(t.prior)) if t.log else (xi / t.prior - 1.0)))
+        out.append(t.prior_residual(xi))
     return np.array(out)
 
 

@@ -118,8 +118,7 @@ def breakdown_table(est: Estimate) -> Table:
         "recompute_s",
         "tensor_parallel_comm_s",
         "pipeline_p2p_wait_s",
-        "pipeline_p2p_wait_s",
-    "pipeline_bubble_s",
+        "pipeline_bubble_s",
         "data_parallel_sync_s",
         "optimizer_s",
     ):
