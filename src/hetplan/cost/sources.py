@@ -90,24 +90,11 @@ def _unsynced(t: LayerTimes, sync_s: float) -> LayerTimes:
     )
 
 
-@dataclass(frozen=True)
-class _Point:
-    device: str
-    shape: ModelSpec
-    tp: int
-    micro_batch: int
-    precision: str
-    times: LayerTimes
-
-
-def _points(source: Any) -> list[_Point]:
+def _points(source: Any) -> list[Any]:
+    """Returns the source's measured layer points (``device``, ``shape``, ``tp``,
+    ``micro_batch``, ``precision``, ``times``), or none if it lists no points."""
     fn = getattr(source, "layer_points", None)
-    if fn is None:
-        return []
-    out = []
-    for p in fn():
-        out.append(_Point(p.device, p.shape, p.tp, p.micro_batch, p.precision, p.times))
-    return out
+    return list(fn()) if fn is not None else []
 
 
 def _gpu_or_none(name: str) -> GPUType | None:
@@ -127,7 +114,7 @@ class ComputeSource:
     def __init__(self, profile: LayerTimeSource | None = None) -> None:
         self.profile = profile
         self._memo: dict[tuple[Any, ...], Any] = {}
-        self._points: list[_Point] | None = None
+        self._points: list[Any] | None = None
         self._alive: dict[int, Any] = {}
 
     def cached(self, key: tuple[Any, ...], make: Any) -> Any:
@@ -186,7 +173,7 @@ class ComputeSource:
         return None if lt is None else (lt, "measured")
 
     # ---- scale factors for what the profile does not cover ------------------------------
-    def _profiled_points(self) -> list[_Point]:
+    def _profiled_points(self) -> list[Any]:
         if self._points is None:
             self._points = _points(self.profile) if self.profile is not None else []
         return self._points
@@ -257,13 +244,25 @@ class ComputeSource:
                 lt = LayerTimes(lt.forward_s, lt.backward_s, ana.selective_recompute_s * ratio)
             out = Sourced(lt, kind)
         else:
-            factors = self.scale_factors(gpu, model, eff, precision, flash, borrow)
-            if factors is None:
-                out = Sourced(ana, "analytical")
-            else:
-                out = Sourced(_scale(ana, *factors), "scaled")
+            out = self._modelled(ana, gpu, model, eff, precision, flash, borrow)
         self._memo[key] = out
         return out
+
+    def _modelled(
+        self,
+        ana: LayerTimes,
+        gpu: GPUType,
+        model: ModelSpec,
+        eff: GPUEfficiency,
+        precision: str,
+        flash: bool,
+        borrow: bool,
+    ) -> Sourced:
+        """Returns an analytical figure, scaled where the profile has points to scale by."""
+        factors = self.scale_factors(gpu, model, eff, precision, flash, borrow)
+        if factors is None:
+            return Sourced(ana, "analytical")
+        return Sourced(_scale(ana, *factors), "scaled")
 
     def _part(
         self,
@@ -289,11 +288,7 @@ class ComputeSource:
         else:
             fn = embedding_times if part == "embed" else head_times
             ana = fn(model, gpu, eff, tp, mb, precision)
-            factors = self.scale_factors(gpu, model, eff, precision, flash, borrow)
-            if factors is None:
-                out = Sourced(ana, "analytical")
-            else:
-                out = Sourced(_scale(ana, *factors), "scaled")
+            out = self._modelled(ana, gpu, model, eff, precision, flash, borrow)
         self._memo[key] = out
         return out
 
