@@ -1,4 +1,5 @@
-"""Alpha-beta collectives on the links a group actually crosses.
+"""Alpha-beta collectives on the links a group actually crosses, or the profile's measured
+figures for them (``params.compute``: the runtime's link figures, imported bandwidths).
 
 A collective over devices on several nodes runs hierarchically (as NCCL does): inside
 each node over the intra-node link, across nodes over the node's network link, which
@@ -23,6 +24,9 @@ def intra_node_allreduce_s(size_bytes: float, n: int, node: Node, params: CostPa
     """Returns a ring all-reduce time among ``n`` GPUs of one node."""
     if n <= 1:
         return 0.0
+    ring = params.compute.ask("link_figures", node.gpu, "allreduce")
+    if ring is not None:  # the runtime's measured ring: latency per step, bus bytes/s
+        return ring_allreduce_bytes(size_bytes, n) / ring[1] + 2 * (n - 1) * ring[0]
     measured = params.compute.network_bw(node.gpu.name, "intra", n, size_bytes)
     if measured is not None:  # achieved: message bytes per second, latency included
         return size_bytes / measured
@@ -96,6 +100,9 @@ def p2p_s(
     if size_bytes <= 0:
         return 0.0
     if src.name == dst.name:
+        link = params.compute.ask("link_figures", src.gpu, "p2p")
+        if link is not None:  # the runtime's measured send: latency, bytes/s
+            return link[0] + size_bytes / link[1]
         measured = params.compute.network_bw(src.gpu.name, "intra", 2, size_bytes)
         if measured is not None:
             return size_bytes / measured

@@ -130,41 +130,6 @@ class Estimate:
         }
 
 
-class _Links:
-    """Collectives and sends: measured figures of the profile where it has them, else the
-    alpha-beta model of ``comm``."""
-
-    def __init__(self, source: ComputeSource) -> None:
-        self.source = source
-
-    def allreduce_s(self, size: float, n: int, node: Node, params: CostParams) -> float:
-        """Returns an all-reduce among ``n`` devices of ``node``: measured ring if profiled."""
-        ring = self.source.ask("link_figures", node.gpu, "allreduce")
-        if ring is None or n <= 1:
-            return comm.intra_node_allreduce_s(size, n, node, params)
-        return comm.ring_allreduce_bytes(size, n) / ring[1] + 2 * (n - 1) * ring[0]
-
-    def group_allreduce_s(
-        self,
-        size: float,
-        members: list[Node],
-        params: CostParams,
-        concurrency: dict[str, int],
-        volume: float = 1.0,
-    ) -> float:
-        """Returns comm.group_allreduce_s, with the measured ring inside one profiled node."""
-        if len({m.name for m in members}) == 1 and size > 0:
-            return volume * self.allreduce_s(size, len(members), members[0], params)
-        return comm.group_allreduce_s(size, members, params, concurrency, volume)
-
-    def p2p_s(self, size: float, src: Node, dst: Node, params: CostParams, conc: int) -> float:
-        """Returns comm.p2p_s, measured inside one profiled node."""
-        link = self.source.ask("link_figures", src.gpu, "p2p")
-        if link is None or src.name != dst.name or size <= 0:
-            return comm.p2p_s(size, src, dst, params, concurrency=conc)
-        return link[0] + size / link[1]
-
-
 @dataclass(frozen=True)
 class _StageKey:
     gpu: GPUType
@@ -182,7 +147,6 @@ def _stage_times(
     key: _StageKey,
     node: Node,
     params: CostParams,
-    links: _Links,
 ) -> tuple[float, float, float, float, float, str]:
     """Returns (forward, backward, recompute, tp_comm, overhead) per micro-batch and where
     the compute times came from."""
@@ -211,10 +175,9 @@ def _stage_times(
         bwd += ht.times.backward_s
         sources.append(ht.source)
     v = plan.virtual_stages
-    over = src.ask("link_figures", gpu, "pipeline")
-    if over is not None:  # the pipelining runtime's cost per action, on each of v chunks
-        fwd += v * over[0]
-        bwd += v * over[0]
+    action = src.action_overhead_s(gpu)  # the pipelining runtime's, per action and chunk
+    fwd += v * action
+    bwd += v * action
     # the fixed cost of each micro-batch on each chunk (framework, launches, handshakes)
     overhead = v * eff.microbatch_overhead_s
     fwd += overhead / 2
@@ -225,7 +188,7 @@ def _stage_times(
         full = plan.recompute == "full"
         tp_comm = key.layers * (lc.forward_s + lc.backward_s + (lc.forward_s if full else 0.0))
     else:
-        one = links.allreduce_s(act, tp, node, params)
+        one = comm.intra_node_allreduce_s(act, tp, node, params)
         n_ar = 4 * key.layers + (2 * key.layers if plan.recompute == "full" else 0)
         n_ar += (1 if key.first else 0) + (1 if key.last else 0)
         tp_comm = n_ar * one
@@ -336,7 +299,6 @@ def estimate(
                 dp_members[h] = per_rank[0]
     gather_memo: dict[tuple[int, float], float] = {}
     stages: list[StageEstimate] = []
-    links = _Links(params.compute)
     replays: list[Replay] = []
     pipeline_times: list[float] = []
     by_pipe: list[list[StageEstimate]] = []
@@ -359,20 +321,20 @@ def estimate(
                     node.gpu, node.intra_node_bytes_per_s, stage.tp, stage.layers, first, last,
                     p == 1,
                 )  # fmt: skip
-                hit = stage_memo[memo_key] = _stage_times(plan, model, key, node, params, links)
+                hit = stage_memo[memo_key] = _stage_times(plan, model, key, node, params)
             fwd, bwd, rc, tpc, over, src = hit
             p_local = stage_params(model, stage.layers, stage.tp, first, last, p == 1)
             if plan.zero_stage == 3 and (r, j) in dp_members:
                 group = dp_members[(r, j)]
                 gkey = (id(group), p_local)
                 if gkey not in gather_memo:
-                    gather_memo[gkey] = links.group_allreduce_s(
+                    gather_memo[gkey] = comm.group_allreduce_s(
                         p_local * element_bytes(plan.precision), group, params, concurrency
                     )
                 tpc += zero3_exposed_s(gather_memo[gkey], fwd + bwd)
             act = plan.micro_batch_size * model.seq * model.hidden * element_bytes(plan.precision)
             nxt = nodes[(j + 1) % p]
-            send = links.p2p_s(act / stage.tp, node, nxt, params, stage.tp) if p > 1 else 0.0
+            send = comm.p2p_s(act / stage.tp, node, nxt, params, stage.tp) if p > 1 else 0.0
             w, g, o = state_bytes(p_local, plan.precision, plan.zero_stage, dp)
             if plan.zero_stage == 3 and dp > 1:
                 w += zero3_working_bytes(model, stage.tp, plan.precision)
@@ -464,7 +426,7 @@ def estimate(
             continue
         tp_min = len(per_rank)
         t = max(
-            links.group_allreduce_s(
+            comm.group_allreduce_s(
                 n_params * grad_bytes / tp_min, members, params, concurrency, volume
             )
             for members in per_rank

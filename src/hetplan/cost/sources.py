@@ -318,6 +318,12 @@ class ComputeSource:
         """Returns the final norm, output head and loss times for one micro-batch."""
         return self._part("head", model, gpu, params, tp, mb, precision, flash)
 
+    def action_overhead_s(self, gpu: GPUType) -> float:
+        """Returns the pipelining runtime's measured cost per forward or backward action of
+        one chunk (the runtime's profile, link kind "pipeline"), 0 where not measured."""
+        over = self.ask("link_figures", gpu, "pipeline")
+        return 0.0 if over is None else float(over[0])
+
     def tp_comm_included(self, gpu: GPUType, model: ModelSpec, tp: int, mb: int, prec: str) -> bool:
         """Returns whether the profile's layer times at ``tp`` already hold the TP collectives
         (a ``tp_comm`` part measured as zero: profiled inside a real TP group)."""

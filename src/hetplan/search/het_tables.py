@@ -106,7 +106,7 @@ def class_table(
         layer_s=lt.forward_s + lt.backward_s + rc[knobs.recompute] + n_ar * ar,
         embedding_s=et.forward_s + et.backward_s + ar,
         head_s=ht.forward_s + ht.backward_s + ar,
-        overhead_s=eff.microbatch_overhead_s,
+        overhead_s=eff.microbatch_overhead_s + 2 * src.action_overhead_s(cls.gpu),
         p2p_exposed=eff.p2p_exposed,
         send_intra_s=comm.p2p_s(act / tp, node, node, params),
         send_inter_s=comm.p2p_s(act / tp, node, peer, params, concurrency=tp),

@@ -286,7 +286,7 @@ class _Scorer:
             send = 0.0
         v = c.virtual_stages
         eff = params.gpu(node.gpu.name)
-        per_mb = v * eff.microbatch_overhead_s
+        per_mb = v * (eff.microbatch_overhead_s + 2 * params.compute.action_overhead_s(node.gpu))
         sends = [send] * c.pp
         stage_t = [
             t + per_mb + p2p_wait_s(sends, j, v, eff.p2p_exposed)
