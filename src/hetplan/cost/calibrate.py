@@ -67,18 +67,15 @@ def resolve(run: Run, params: CostParams) -> Run:
     space = SearchSpace(
         recompute=k.recompute, zero_stages=k.zero_stages, sequence_parallel=(k.sequence_parallel,),
         tp=(k.tp,), pp=(k.pp,), dp=(k.dp,), schedules=k.schedules,
+        # Megatron-Core overlaps both the gradient reduction and the TP collectives
+        overlap_grad_reduce=k.overlap_grad_reduce, overlap_tp_comm=k.overlap_grad_reduce,
     )  # fmt: skip
     found = search_homogeneous(run.model, run.cluster, k.global_batch, k.precision, top_k=1,
-                               params=params, space=space, flash_attention=k.flash_attention,
-                               finalists=4)  # fmt: skip
+                               params=params, space=space,
+                               flash_attention=k.flash_attention)  # fmt: skip
     if not found.ranked:
         raise InputError("tp", f"{run.label}: no plan with tp={k.tp} pp={k.pp} dp={k.dp} fits")
-    plan = replace(
-        found.ranked[0][0],
-        overlap_grad_reduce=k.overlap_grad_reduce,
-        overlap_tp_comm=k.overlap_grad_reduce,
-    )  # Megatron-Core overlaps both
-    return replace(run, plan=plan, knobs=None)
+    return replace(run, plan=found.ranked[0][0], knobs=None)
 
 
 def predict(run: Run, params: CostParams) -> tuple[float, bool]:

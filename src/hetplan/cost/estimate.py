@@ -131,7 +131,9 @@ class Estimate:
 
 
 @dataclass(frozen=True)
-class _StageKey:
+class StageKey:
+    """What a stage's per-micro-batch times depend on besides the plan's knobs."""
+
     gpu: GPUType
     node_intra_bps: float
     tp: int
@@ -141,10 +143,10 @@ class _StageKey:
     single: bool
 
 
-def _stage_times(
+def stage_times(
     plan: Plan,
     model: ModelSpec,
-    key: _StageKey,
+    key: StageKey,
     node: Node,
     params: CostParams,
 ) -> tuple[float, float, float, float, float, str]:
@@ -224,9 +226,7 @@ def zero3_exposed_s(gather_s: float, compute_s: float) -> float:
     return max(0.0, gather_s - compute_s)
 
 
-def _sync_groups(
-    plan: Plan, model: ModelSpec, cluster: Cluster
-) -> list[tuple[float, list[tuple[int, int]]]]:
+def _sync_groups(plan: Plan, model: ModelSpec) -> list[tuple[float, list[tuple[int, int]]]]:
     """Returns [(parameters, [(pipeline, stage), ...])] per layer segment shared by replicas."""
     bounds = {0, model.layers}
     for pipe in plan.pipelines:
@@ -247,6 +247,80 @@ def _sync_groups(
             params += model.head_params()
         out.append((float(params), holders))
     return out
+
+
+@dataclass
+class SyncLayout:
+    """Who reduces gradients with whom: per layer segment shared by replicas, its
+    parameters and holders (pipeline, stage), and per tensor-parallel rank the nodes of the
+    group's members; how many devices of each node talk across nodes at once; and per stage
+    the members of its (largest) data-parallel group."""
+
+    groups: list[tuple[float, list[tuple[int, int]]]]
+    members: list[list[list[Node]]]
+    concurrency: dict[str, int]
+    dp_members: dict[tuple[int, int], list[Node]]
+
+
+def sync_layout(plan: Plan, model: ModelSpec, node_of: Any) -> SyncLayout:
+    """Returns the data-parallel layout of ``plan`` (``node_of``: device name -> Node)."""
+    groups = _sync_groups(plan, model) if plan.dp > 1 else []
+    group_members: list[list[list[Node]]] = []
+    for _, holders in groups:
+        tps = [plan.pipelines[r].stages[j].tp for r, j in holders]
+        tp_min = min(tps)
+        per_rank = []
+        for i in range(tp_min):
+            per_rank.append([node_of(plan.pipelines[r].stages[j].devices[i]) for r, j in holders])
+        group_members.append(per_rank)
+    crossing: dict[str, set[str]] = {}
+    for (_, holders), per_rank in zip(groups, group_members, strict=True):
+        for i, members in enumerate(per_rank):
+            if len({n.name for n in members}) > 1:
+                for r, j in holders:
+                    dev = plan.pipelines[r].stages[j].devices[i]
+                    crossing.setdefault(dev.rpartition(":")[0], set()).add(dev)
+    concurrency = {k: len(v_) for k, v_ in crossing.items()}
+    dp_members: dict[tuple[int, int], list[Node]] = {}
+    for (_, holders), per_rank in zip(groups, group_members, strict=True):
+        for h in holders:
+            if per_rank and len(per_rank[0]) > len(dp_members.get(h, [])):
+                dp_members[h] = per_rank[0]
+    return SyncLayout(groups, group_members, concurrency, dp_members)
+
+
+GRAD_BYTES = 4.0
+"""Gradients are reduced in fp32."""
+
+
+def grad_sync_times(layout: SyncLayout, plan: Plan, params: CostParams) -> list[float]:
+    """Returns, per layer segment of ``layout``, the time of its gradient reduction (an
+    all-reduce, or a reduce-scatter under ZeRO-3); zero where one replica holds it."""
+    volume = 0.5 if plan.zero_stage == 3 else 1.0
+    out = []
+    for (n_params, holders), per_rank in zip(layout.groups, layout.members, strict=True):
+        if len(holders) <= 1:
+            out.append(0.0)
+            continue
+        tp_min = len(per_rank)
+        out.append(
+            max(
+                comm.group_allreduce_s(
+                    n_params * GRAD_BYTES / tp_min, members, params, layout.concurrency, volume
+                )
+                for members in per_rank
+            )
+        )
+    return out
+
+
+def exposed_sync_s(t: float, window: float, share: float, overlap: bool) -> float:
+    """Returns the part of a gradient reduction of ``t`` seconds left after the last
+    backward: with overlap, buckets reduce while that backward (``window`` seconds) runs and
+    the overlappable ``share`` of the reduction hides under it; without, all of it."""
+    if not overlap:
+        return t
+    return t - min(share * t, window)
 
 
 def estimate(
@@ -274,29 +348,9 @@ def estimate(
 
     dp = plan.dp
     v = plan.virtual_stages
-    # data-parallel gradient sync, segment by segment among the stages holding each layer
-    groups = _sync_groups(plan, model, cluster) if dp > 1 else []
-    group_members: list[list[list[Node]]] = []
-    for _, holders in groups:
-        tps = [plan.pipelines[r].stages[j].tp for r, j in holders]
-        tp_min = min(tps)
-        per_rank = []
-        for i in range(tp_min):
-            per_rank.append([node_of(plan.pipelines[r].stages[j].devices[i]) for r, j in holders])
-        group_members.append(per_rank)
-    crossing: dict[str, set[str]] = {}
-    for (_, holders), per_rank in zip(groups, group_members, strict=True):
-        for i, members in enumerate(per_rank):
-            if len({n.name for n in members}) > 1:
-                for r, j in holders:
-                    dev = plan.pipelines[r].stages[j].devices[i]
-                    crossing.setdefault(dev.rpartition(":")[0], set()).add(dev)
-    concurrency = {k: len(v_) for k, v_ in crossing.items()}
-    dp_members: dict[tuple[int, int], list[Node]] = {}
-    for (_, holders), per_rank in zip(groups, group_members, strict=True):
-        for h in holders:
-            if per_rank and len(per_rank[0]) > len(dp_members.get(h, [])):
-                dp_members[h] = per_rank[0]
+    layout = sync_layout(plan, model, node_of)
+    groups = layout.groups
+    concurrency, dp_members = layout.concurrency, layout.dp_members
     gather_memo: dict[tuple[int, float], float] = {}
     stages: list[StageEstimate] = []
     replays: list[Replay] = []
@@ -317,11 +371,11 @@ def estimate(
             memo_key = (id(node), stage.tp, stage.layers, first, last, p == 1)
             hit = stage_memo.get(memo_key)
             if hit is None:
-                key = _StageKey(
+                key = StageKey(
                     node.gpu, node.intra_node_bytes_per_s, stage.tp, stage.layers, first, last,
                     p == 1,
                 )  # fmt: skip
-                hit = stage_memo[memo_key] = _stage_times(plan, model, key, node, params)
+                hit = stage_memo[memo_key] = stage_times(plan, model, key, node, params)
             fwd, bwd, rc, tpc, over, src = hit
             p_local = stage_params(model, stage.layers, stage.tp, first, last, p == 1)
             if plan.zero_stage == 3 and (r, j) in dp_members:
@@ -419,29 +473,16 @@ def estimate(
     sync_s: dict[tuple[int, int], float] = {}
     exposed_s: dict[tuple[int, int], float] = {}
     ready: dict[tuple[int, int], float] = {}
-    grad_bytes = 4.0
-    volume = 0.5 if plan.zero_stage == 3 else 1.0
-    for (n_params, holders), per_rank in zip(groups, group_members, strict=True):
+    for t, (_, holders) in zip(grad_sync_times(layout, plan, params), groups, strict=True):
         if len(holders) <= 1:
             continue
-        tp_min = len(per_rank)
-        t = max(
-            comm.group_allreduce_s(
-                n_params * grad_bytes / tp_min, members, params, concurrency, volume
-            )
-            for members in per_rank
-        )
         end = max(replays[r].last_backward_end_s[j] for r, j in holders)
-        exposed = t
-        if plan.overlap_grad_reduce:
-            # buckets reduce while the last backward runs: the overlappable share of the
-            # reduction hides under that backward's duration, the rest is exposed
-            window = min(
-                replays[r].last_backward_end_s[j] - replays[r].last_backward_start_s[j]
-                for r, j in holders
-            )
-            share = min(params.gpu(by_pipe[r][j].gpu).grad_overlap for r, j in holders)
-            exposed = t - min(share * t, window)
+        window = min(
+            replays[r].last_backward_end_s[j] - replays[r].last_backward_start_s[j]
+            for r, j in holders
+        )
+        share = min(params.gpu(by_pipe[r][j].gpu).grad_overlap for r, j in holders)
+        exposed = exposed_sync_s(t, window, share, plan.overlap_grad_reduce)
         for h in holders:
             sync_s[h] = sync_s.get(h, 0.0) + t
             exposed_s[h] = exposed_s.get(h, 0.0) + exposed

@@ -1,16 +1,23 @@
 """Homogeneous 3D search: enumerate degrees and knobs, prune by divisibility and memory,
-score with a closed-form pipeline time from the cost tables, re-rank finalists by estimate()."""
+rank by estimate() itself, visiting candidates in order of a proven lower bound of it."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
-from hetplan.cluster import Cluster
-from hetplan.cost import comm
-from hetplan.cost.compute import optimizer_time_s
-from hetplan.cost.estimate import Estimate, estimate, p2p_wait_s, zero3_exposed_s
+from hetplan.cluster import Cluster, Node
+from hetplan.cost.estimate import (
+    Estimate,
+    StageKey,
+    SyncLayout,
+    estimate,
+    exposed_sync_s,
+    grad_sync_times,
+    stage_times,
+    sync_layout,
+)
 from hetplan.cost.memory import (
     combine_activation_bytes,
     stage_params,
@@ -23,10 +30,6 @@ from hetplan.errors import InputError
 from hetplan.model import ModelSpec
 from hetplan.plan import Plan, element_bytes
 from hetplan.search.layout import even_layer_split, uniform_plan
-
-FINALIST_MARGIN = 1.15
-"""Candidates whose closed-form time is within this factor of the best are re-scored."""
-MAX_FINALISTS = 200
 
 
 def divisors(n: int) -> list[int]:
@@ -62,6 +65,8 @@ class SearchResult:
     min_memory_bytes: float = math.inf
     """The smallest per-GPU peak of any point (when nothing fits)."""
     notes: list[str] = field(default_factory=list)
+    evaluated: int = 0
+    """Candidates estimated exactly (the rest were ruled out by their lower bound)."""
 
 
 @dataclass(frozen=True)
@@ -77,6 +82,10 @@ class SearchSpace:
     dp: tuple[int, ...] | None = None
     micro_batch: tuple[int, ...] | None = None
     schedules: tuple[str, ...] = ("1F1B", "Interleaved1F1B")
+    overlap_grad_reduce: bool = True
+    """Plan option of every candidate: gradient reduction overlapped with the backward."""
+    overlap_tp_comm: bool = False
+    """Plan option of every candidate: TP collectives overlapped with the TP matmuls."""
 
 
 def enumerate_candidates(
@@ -123,17 +132,11 @@ def enumerate_candidates(
 
 @dataclass(frozen=True)
 class _Shape:
-    """The parts of a candidate's cost that do not depend on the data-parallel degree."""
+    """Activation sizes of a candidate's stages (memory), independent of its DP degree."""
 
     split: tuple[int, ...]
-    stage_t: tuple[float, ...]
-    """Per micro-batch compute and TP time per stage."""
-    first_forward_s: float
-    layer_compute_s: float
     p_first: float
     p_last: float
-    act_bytes: float
-    """One micro-batch's activations sent between stages."""
     layer_act_bytes: float
     """Activations one layer keeps per micro-batch."""
     embed_act_bytes: float
@@ -142,18 +145,34 @@ class _Shape:
     """Full recomputation: one layer's activations rebuilt during its backward."""
 
 
+@dataclass
+class _Layout:
+    """The device layout of a (tp, pp, dp) triple: a plan with default knobs, the nodes of
+    one pipeline's stages and the data-parallel groups, for the bound."""
+
+    plan: Plan
+    nodes: list[Node]
+    sync: SyncLayout
+    holds: list[list[int]]
+    """Per stage of pipeline 0: the indices of the sync groups (layer segments) it holds."""
+    sync_s: dict[int, list[float]] = field(default_factory=dict)
+    """Per ZeRO stage: each sync group's reduction time."""
+
+
 class SearchMemo:
-    """Caches of shape costs and collective times, valid for one model, one node type (GPU,
+    """Caches of shapes, layouts and stage times, valid for one model, one node type (GPU,
     GPUs per node, links) and one set of parameters; reusable across node counts."""
 
     def __init__(self) -> None:
         self.shapes: dict[tuple[object, ...], _Shape] = {}
-        self.syncs: dict[tuple[object, ...], float] = {}
+        self.stages: dict[tuple[object, ...], tuple[float, float, float, float, float]] = {}
+        self.optimizer: dict[tuple[object, ...], float] = {}
 
 
 @dataclass
 class _Scorer:
-    """Closed-form memory and time of candidates on one cluster, from shared cost tables."""
+    """Memory and a proven lower bound of estimate()'s iteration time for candidates on one
+    cluster, from estimate()'s own building blocks (stage times, gradient sync, optimizer)."""
 
     model: ModelSpec
     cluster: Cluster
@@ -162,51 +181,24 @@ class _Scorer:
     params: CostParams
     flash: bool
     memo: SearchMemo
+    space: SearchSpace
+    layouts: dict[tuple[int, int, int], _Layout] = field(default_factory=dict)
 
     def shape(self, c: Candidate) -> _Shape:
-        """Returns the candidate's costs that do not depend on its data-parallel degree."""
-        model, cluster, precision, params, flash, memo = (
-            self.model,
-            self.cluster,
-            self.precision,
-            self.params,
-            self.flash,
-            self.memo,
-        )
+        """Returns the candidate's activation sizes (they do not depend on its DP degree)."""
+        model, precision, flash, memo = self.model, self.precision, self.flash, self.memo
         key = (c.tp, c.pp, c.micro_batch, c.recompute, c.sequence_parallel, precision, flash)
         hit = memo.shapes.get(key)
         if hit is not None:
             return hit
-        node = cluster.nodes[0]
-        gpu = node.gpu
         mb = c.micro_batch
-        src = params.compute
-        lt = src.layer(model, gpu, params, c.tp, mb, precision, flash).times
         split = tuple(even_layer_split(model.layers, c.pp))
-        act = mb * model.seq * model.hidden * element_bytes(precision)
-        ar = comm.intra_node_allreduce_s(act, c.tp, node, params)
-        if src.tp_comm_included(gpu, model, c.tp, mb, precision):
-            ar = 0.0
-        rc_per_layer = {"none": 0.0, "selective": lt.selective_recompute_s, "full": lt.forward_s}[
-            c.recompute
-        ]
-        n_ar = 4 + (2 if c.recompute == "full" else 0)
-        per_layer = lt.forward_s + lt.backward_s + rc_per_layer + n_ar * ar
-        et = src.embedding(model, gpu, params, c.tp, mb, precision, flash).times
-        ht = src.head(model, gpu, params, c.tp, mb, precision, flash).times
-        stage_t = [x * per_layer for x in split]
-        stage_t[0] += et.forward_s + et.backward_s + ar
-        stage_t[-1] += ht.forward_s + ht.backward_s + ar
         single = c.pp == 1
         e = element_bytes(precision)
         shape = _Shape(
             split=split,
-            stage_t=tuple(stage_t),
-            first_forward_s=lt.forward_s * split[0] + et.forward_s,
-            layer_compute_s=lt.forward_s + lt.backward_s,
             p_first=stage_params(model, split[0], c.tp, True, single, single),
             p_last=stage_params(model, split[-1], c.tp, single, True, single),
-            act_bytes=act,
             layer_act_bytes=mb
             * model.layer_activation_bytes(c.tp, c.sequence_parallel, c.recompute, flash, e),
             embed_act_bytes=mb * model.embedding_activation_bytes(c.tp, c.sequence_parallel, e),
@@ -246,76 +238,103 @@ class _Scorer:
             worst = max(worst, w + g + o + acts + params.memory_reserve_bytes)
         return worst
 
-    def dp_allreduce_s(self, size_bytes: float, c: Candidate, volume: float) -> float:
-        """Returns the all-reduce time among one stage's replicas in the Megatron layout."""
-        cluster, params, memo = self.cluster, self.params, self.memo
-        key = (size_bytes, c.tp, c.dp, volume)
-        hit = memo.syncs.get(key)
+    def layout(self, c: Candidate) -> _Layout:
+        """Returns the layout of the candidate's degrees (built once per triple)."""
+        key = (c.tp, c.pp, c.dp)
+        hit = self.layouts.get(key)
         if hit is None:
-            nodes = cluster.nodes
-            gpn = nodes[0].gpus
-            members = [nodes[(r * c.tp) // gpn % len(nodes)] for r in range(c.dp)]
-            spans = len({n.name for n in members}) > 1
-            conc = {n.name: min(gpn, c.tp * c.dp) for n in members} if spans else {}
-            hit = comm.group_allreduce_s(size_bytes, members, params, conc, volume)
-            memo.syncs[key] = hit
+            plan = uniform_plan(self.cluster, self.model.layers, c.tp, c.pp, c.dp, 1,
+                                self.global_batch)  # fmt: skip
+            node_of = self.cluster.device_node
+            sync = sync_layout(plan, self.model, node_of)
+            holds: list[list[int]] = [[] for _ in range(c.pp)]
+            for g, (_, holders) in enumerate(sync.groups):
+                for r, j in holders:
+                    if r == 0:
+                        holds[j].append(g)
+            nodes = [node_of(st.devices[0]) for st in plan.pipelines[0].stages]
+            hit = self.layouts[key] = _Layout(plan, nodes, sync, holds)
         return hit
 
-    def score_s(self, c: Candidate) -> float:
-        """Returns a closed-form iteration time of a candidate from the same cost tables."""
-        cluster, precision, global_batch, params = (
-            self.cluster,
-            self.precision,
-            self.global_batch,
-            self.params,
+    def knob_plan(self, c: Candidate) -> Plan:
+        """Returns the candidate's plan (its layout with its knobs)."""
+        sp = self.space
+        return replace(
+            self.layout(c).plan,
+            micro_batch_size=c.micro_batch,
+            precision=self.precision,
+            recompute=c.recompute,
+            zero_stage=c.zero_stage,
+            schedule=c.schedule,
+            virtual_stages=c.virtual_stages,
+            sequence_parallel=c.sequence_parallel,
+            flash_attention=self.flash,
+            overlap_grad_reduce=sp.overlap_grad_reduce,
+            overlap_tp_comm=sp.overlap_tp_comm,
         )
-        node = cluster.nodes[0]
-        shape = self.shape(c)
-        m = global_batch // c.dp // c.micro_batch
-        gpn = node.gpus
-        if c.pp > 1:
-            cross = (c.tp * c.dp) >= gpn
-            send = comm.p2p_s(
-                shape.act_bytes / c.tp,
-                node,
-                cluster.nodes[-1] if cross and len(cluster.nodes) > 1 else node,
-                params,
-                concurrency=min(c.tp * c.dp, gpn) if cross else 1,
-            )
-        else:
-            send = 0.0
+
+    def bound_s(self, c: Candidate) -> float:
+        """Returns a lower bound of estimate()'s iteration time of the candidate's plan.
+
+        Per stage j, with per-micro-batch forward F, backward-side B (backward, recompute,
+        TP collectives) from ``stage_times``: its first forward waits for the first chunk of
+        every earlier stage (sum F/v), it then computes m (F + B), and after its last
+        backward the earlier stages still run one backward chunk each (sum B/v) before
+        stage 0 ends; a stage ends with the part of its gradient reduction no overlap can
+        hide, then its optimizer step. Transfers and waits only add (left out)."""
+        model, params, memo = self.model, self.params, self.memo
+        lay = self.layout(c)
+        plan = self.knob_plan(c)
         v = c.virtual_stages
-        eff = params.gpu(node.gpu.name)
-        per_mb = v * (eff.microbatch_overhead_s + 2 * params.compute.action_overhead_s(node.gpu))
-        sends = [send] * c.pp
-        stage_t = [
-            t + per_mb + p2p_wait_s(sends, j, v, eff.p2p_exposed)
-            for j, t in enumerate(shape.stage_t)
-        ]
-        p_local = shape.p_first
-        if c.dp > 1 and c.zero_stage == 3:
-            gather = self.dp_allreduce_s(p_local * element_bytes(precision), c, 1.0)
-            stage_t[0] += zero3_exposed_s(gather, shape.split[0] * shape.layer_compute_s)
-        bottleneck = max(stage_t)
-        # 1F1B: m micro-batches at the bottleneck's pace plus the fill and drain of the others,
-        # which interleaving divides by v (Narayanan et al. 2021)
-        pipe = m * bottleneck + (sum(stage_t) - bottleneck) / v + 2 * (c.pp - 1) * send * v
-        # gradient sync of the first stage (it finishes last), overlapped with its last backward
-        if c.dp > 1:
-            sync = self.dp_allreduce_s(p_local * 4.0, c, 0.5 if c.zero_stage == 3 else 1.0)
-            exposed = max(0.0, sync - (stage_t[0] - shape.first_forward_s))
-        else:
-            exposed = 0.0
-        gpu = node.gpu
-        opt = optimizer_time_s(
-            p_local / (c.dp if c.zero_stage else 1), gpu, params.gpu(gpu.name), precision
-        )
-        return pipe + exposed + opt
+        m = self.global_batch // c.dp // c.micro_batch
+        p = c.pp
+        shards = c.dp if c.zero_stage >= 1 else 1
+        sync_s = lay.sync_s.get(c.zero_stage)
+        if sync_s is None:
+            sync_s = lay.sync_s[c.zero_stage] = grad_sync_times(lay.sync, plan, params)
+        starts, tails, busy, ends = 0.0, 0.0, [], []
+        f_acc = b_acc = 0.0
+        for j, node in enumerate(lay.nodes):
+            layers = lay.plan.pipelines[0].stages[j].layers
+            first, last = j == 0, j == p - 1
+            skey = (node.gpu.name, node.intra_node_bytes_per_s, c.tp, layers, first, last,
+                    c.micro_batch, c.recompute, v, self.precision, self.flash,
+                    self.space.overlap_tp_comm)  # fmt: skip
+            times = memo.stages.get(skey)
+            if times is None:
+                key = StageKey(node.gpu, node.intra_node_bytes_per_s, c.tp, layers, first, last,
+                               p == 1)  # fmt: skip
+                times = memo.stages[skey] = stage_times(plan, model, key, node, params)[:5]
+            fwd, bwd, rc, tpc, _ = times
+            p_local = stage_params(model, layers, c.tp, first, last, p == 1)
+            okey = (node.gpu.name, c.tp, layers, first, last, self.precision, shards)
+            opt = memo.optimizer.get(okey)
+            if opt is None:
+                pieces = [("layer", layers), ("embed", int(first)), ("head", int(last))]
+                opt = memo.optimizer[okey] = params.compute.optimizer_s(
+                    model, node.gpu, params.gpu(node.gpu.name), c.tp, self.precision, pieces,
+                    p_local, shards,
+                )[0]  # fmt: skip
+            share = params.gpu(node.gpu.name).grad_overlap
+            exposed = sum(
+                exposed_sync_s(sync_s[g], math.inf, share, self.space.overlap_grad_reduce)
+                for g in lay.holds[j]
+            )
+            own = f_acc + m * (fwd + bwd + rc + tpc)
+            busy.append(own + exposed + opt)
+            ends.append(own + b_acc)
+            f_acc += fwd / v
+            b_acc += (bwd + rc + tpc) / v
+            if first:
+                starts, tails = exposed, opt  # stage 0's reduction and optimizer
+        bound = max(max(busy), max(ends) + starts + tails)
+        return bound * (1.0 - 1e-9)
 
 
 @dataclass
 class Scored:
-    """Candidates that fit, with closed-form times, best first; and what was pruned."""
+    """Candidates that fit, with lower bounds of their iteration time, smallest first; and
+    what was pruned by memory."""
 
     ranked: list[tuple[float, Candidate]]
     candidates: int
@@ -333,9 +352,8 @@ def score_candidates(
     flash_attention: bool = True,
     memo: SearchMemo | None = None,
 ) -> Scored:
-    """Returns every fitting candidate with its closed-form time, best first (no estimate).
-
-    ``memo`` may be shared by calls on clusters of the same node type and model."""
+    """Returns every fitting candidate with a lower bound of its estimate() time, smallest
+    first (no estimate). ``memo`` may be shared by calls on clusters of the same node type."""
     params = params or default_params()
     space = space or SearchSpace()
     gpus_per_node = {n.gpus for n in cluster.nodes}
@@ -350,15 +368,14 @@ def score_candidates(
     count = 0
     min_mem = math.inf
     scorer = _Scorer(model, cluster, precision, global_batch, params, flash_attention,
-                     memo or SearchMemo())  # fmt: skip
+                     memo or SearchMemo(), space)  # fmt: skip
     for c in enumerate_candidates(model, n, gpn, global_batch, space):
         count += 1
         peak = scorer.peak_bytes(c)
         if peak > gpu.memory_bytes:
             min_mem = min(min_mem, peak)
             continue
-        t = scorer.score_s(c)
-        scored.append((t, _tiebreak(c), c))
+        scored.append((scorer.bound_s(c), _tiebreak(c), c))
     scored.sort(key=lambda x: (x[0], x[1]))
     return Scored([(t, c) for t, _, c in scored], count, len(scored), min_mem)
 
@@ -372,27 +389,33 @@ def search_homogeneous(
     params: CostParams | None = None,
     space: SearchSpace | None = None,
     flash_attention: bool = True,
-    finalists: int | None = None,
+    memo: SearchMemo | None = None,
 ) -> SearchResult:
-    """Returns the top-k plans for a cluster of one GPU type, best first, deterministically."""
+    """Returns the top-k plans for a cluster of one GPU type by estimate(), best first,
+    deterministically.
+
+    Candidates are visited in order of a proven lower bound of their estimate() time and
+    estimated exactly until the bound reaches the k-th best time found: no candidate that
+    could rank in the top k is skipped."""
     params = params or default_params()
-    sc = score_candidates(model, cluster, global_batch, precision, params, space, flash_attention)
+    space = space or SearchSpace()
+    sc = score_candidates(model, cluster, global_batch, precision, params, space,
+                          flash_attention, memo)  # fmt: skip
     result = SearchResult([], sc.candidates, sc.fitting, sc.min_memory_bytes)
-    if not sc.ranked:
-        return result
-    if finalists is None:
-        # every candidate the closed form puts near the best is re-scored by estimate()
-        best = sc.ranked[0][0]
-        near = sum(1 for t, _ in sc.ranked if t <= best * FINALIST_MARGIN)
-        finalists = min(max(4 * top_k, 24, near), MAX_FINALISTS)
-    ranked: list[tuple[Plan, Estimate]] = []
-    for _, c in sc.ranked[:finalists]:
-        plan = candidate_plan(model, cluster, c, global_batch, precision, flash_attention)
+    ranked: list[tuple[float, tuple[object, ...], Plan, Estimate]] = []
+    evaluated = 0
+    for bound, c in sc.ranked:
+        if len(ranked) >= top_k and bound > ranked[top_k - 1][0]:
+            break
+        plan = candidate_plan(model, cluster, c, global_batch, precision, flash_attention,
+                              space.overlap_grad_reduce, space.overlap_tp_comm)  # fmt: skip
         est = estimate(plan, model, cluster, params, validate=False)
+        evaluated += 1
         if est.fits:
-            ranked.append((plan, est))
-    ranked.sort(key=lambda pe: (pe[1].iteration_time_s, _tiebreak(_candidate_of(pe[0]))))
-    result.ranked = ranked[:top_k]
+            ranked.append((est.iteration_time_s, _tiebreak(c), plan, est))
+            ranked.sort(key=lambda x: (x[0], x[1]))
+    result.ranked = [(plan, est) for _, _, plan, est in ranked[:top_k]]
+    result.evaluated = evaluated
     return result
 
 
@@ -403,6 +426,8 @@ def candidate_plan(
     global_batch: int,
     precision: str,
     flash_attention: bool = True,
+    overlap_grad_reduce: bool = True,
+    overlap_tp_comm: bool = False,
 ) -> Plan:
     """Returns the uniform plan of a candidate."""
     return uniform_plan(
@@ -420,6 +445,8 @@ def candidate_plan(
         virtual_stages=c.virtual_stages,
         sequence_parallel=c.sequence_parallel,
         flash_attention=flash_attention,
+        overlap_grad_reduce=overlap_grad_reduce,
+        overlap_tp_comm=overlap_tp_comm,
     )
 
 

@@ -17,19 +17,17 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from hetplan.cluster import Cluster
-from hetplan.cost.estimate import Estimate, estimate
+from hetplan.cost.estimate import Estimate
 from hetplan.cost.params import CostParams, default_params
 from hetplan.hardware import GPUType
 from hetplan.market import Market, Offer
 from hetplan.model import ModelSpec
 from hetplan.plan import Plan
 from hetplan.search.homogeneous import (
-    Candidate,
     SearchMemo,
     SearchSpace,
-    candidate_plan,
     divisors,
-    score_candidates,
+    search_homogeneous,
 )
 from hetplan.search.spot import SpotTerms, spot_slowdown
 
@@ -49,7 +47,6 @@ class Point:
     plan: Plan | None = field(default=None, repr=False)
     estimate: Estimate | None = field(default=None, repr=False)
     cluster: Cluster | None = field(default=None, repr=False)
-    candidate: Candidate | None = field(default=None, repr=False)
 
 
 def pareto_front(points: list[Point]) -> list[Point]:
@@ -189,13 +186,13 @@ def _single_type(job: _Job, offer: Offer, points: list[Point]) -> tuple[int, int
             continue
         planned += 1
         cluster = Cluster(all_nodes[:nodes])
-        scored = score_candidates(
-            model, cluster, global_batch, precision, params, PROVISION_SPACE, flash, memo
-        )
-        if not scored.ranked:
+        found = search_homogeneous(model, cluster, global_batch, precision, top_k=1,
+                                   params=params, space=PROVISION_SPACE, flash_attention=flash,
+                                   memo=memo)  # fmt: skip
+        if not found.ranked:
             continue
-        iter_s, cand = scored.ranked[0]
-        t = tokens / (global_batch * model.seq) * iter_s * slow
+        plan, est = found.ranked[0]
+        t = tokens / est.tokens_per_s * slow
         points.append(
             Point(
                 {offer.gpu.name: n_gpus},
@@ -203,8 +200,9 @@ def _single_type(job: _Job, offer: Offer, points: list[Point]) -> tuple[int, int
                 t,
                 t / 3600 * usd_hour,
                 usd_hour,
+                plan=plan,
+                estimate=est,
                 cluster=cluster,
-                candidate=cand,
             )
         )
     return planned, pruned
@@ -338,17 +336,6 @@ def _mixes(
     return planned, pruned, skipped
 
 
-def _materialise(p: Point, job: _Job, slow: float) -> None:
-    """Builds the plan of a point and replaces its closed-form time by estimate()'s."""
-    if p.plan is not None or p.cluster is None or p.candidate is None:
-        return
-    model, tokens, global_batch, precision, _, params, _, _, flash = job.unpack()
-    p.plan = candidate_plan(model, p.cluster, p.candidate, global_batch, precision, flash)
-    p.estimate = estimate(p.plan, model, p.cluster, params, validate=False)
-    p.time_to_train_s = tokens / p.estimate.tokens_per_s * slow
-    p.total_cost_usd = p.time_to_train_s / 3600 * p.usd_per_hour
-
-
 def recommend(
     front: list[Point], objective: str, constraints: Constraints
 ) -> tuple[Point | None, str]:
@@ -456,19 +443,7 @@ def provision(
         a, b, skipped = _mixes(job, offers, points, max_mix_plans)
         planned += a
         pruned += b
-    offer_of = {o.gpu.name: o for o in offers}
-    # front points get real plans scored by estimate(); repeat until the front is all real
-    while True:
-        front = pareto_front(points)
-        todo = [p for p in front if p.plan is None]
-        if not todo:
-            break
-        for p in todo:
-            name, count = next(iter(p.gpus.items()))  # mixes arrive with their plans
-            offer = offer_of[name]
-            nodes = count // offer.gpus_per_node
-            slow = spot_slowdown(offer, nodes, terms) if spot else 1.0
-            _materialise(p, job, slow)
+    front = pareto_front(points)  # every point carries its plan and estimate()
     best, why = recommend(front, objective, constraints)
     return ProvisionResult(
         points, front, planned, pruned, time.process_time() - start, best, why, skipped
