@@ -81,10 +81,20 @@ def test_heterogeneous_plan_files_fit_both_gpu_types_jointly(tmp_path):
     (tmp_path / "runs.yaml").write_text(json.dumps({"runs": items}))
     runs = load_runs(tmp_path / "runs.yaml")
     assert any(len({s.devices[0][:2] for s in r.plan.pipelines[0].stages}) == 2 for r in runs)
-    got = fit(runs)
+    got = fit(runs, CostParams())  # from the priors, not the shipped calibration
     assert got.gpu("A100-80GB").gemm_max == pytest.approx(A100_TRUE.gemm_max, rel=0.15)
-    assert got.gpu("T4").gemm_max == pytest.approx(TRUE.gemm_max, rel=0.15)
     assert in_sample(runs, got)["runs.yaml"]["mae_pct"] < 3.0
+    # gemm_max and gemm_half_dim trade off on small shapes; what the fit must recover is each
+    # type's physics: layer times on a shape no run used, within 10% of the true terms'
+    held_out = ModelSpec("held-out", "gpt", 8, 640, 8, 8, 2560, 8192, 512)
+    for name in ("A100-80GB", "T4"):
+        gpu = cluster.nodes[0 if name == "A100-80GB" else 1].gpu
+        for tp, mb in ((1, 2), (2, 1), (4, 4)):
+            want = truth.compute.layer(held_out, gpu, truth, tp, mb, "fp16", False).times
+            have = got.compute.layer(held_out, gpu, got, tp, mb, "fp16", False).times
+            assert have.forward_s + have.backward_s == pytest.approx(
+                want.forward_s + want.backward_s, rel=0.1
+            )
 
 
 def test_leave_one_out_is_cold():

@@ -133,7 +133,10 @@ TERMS = (
     Term("p2p_exposed", "fraction", 0.0, 1.0, 0.5, False,
          "share of each pipeline transfer the sending and receiving stages wait for"),
     Term("grad_overlap", "fraction", 0.0, 1.0, 0.7, False,
-         "share of the gradient all-reduce that runs under the last backward when overlapped"),
+         "share of data-parallel traffic (gradient buckets, ZeRO-3 gathers and reduce-scatters) "
+         "that runs concurrently with compute without slowing it"),
+    Term("tp_overlap", "fraction", 0.0, 1.0, 0.5, False,
+         "share of the tensor-parallel collectives hidden under the TP matmuls when overlapped"),
 )  # fmt: skip
 PRIOR_WEIGHT = 0.05
 """Weight of the (log-)distance of each term from its prior: a weak pull that keeps
@@ -463,7 +466,8 @@ def leave_one_out(
 def shipped_files() -> list[Path]:
     """Returns the paths of the calibration CSVs shipped with the package."""
     root = Path(str(resources.files("hetplan.data").joinpath("calibration")))
-    return [root / "megatron_homogeneous.csv", root / "amp_t4_homogeneous.csv"]
+    names = ("megatron_homogeneous.csv", "amp_t4_homogeneous.csv", "sharded_dp_published.csv")
+    return [root / name for name in names]
 
 
 def calibrate_runs(

@@ -17,6 +17,7 @@ from hetplan.cost.memory import (
 )
 from hetplan.cost.params import CostParams, default_params
 from hetplan.cost.schedule import Replay, peak_in_flight, pipeline_replay, replay
+from hetplan.cost.sharding import bucket_count, exposed_sync_s, zero3_exposed_s
 from hetplan.cost.sources import ComputeSource, LayerTimeSource, combine_sources
 from hetplan.cost.trust import warnings_for
 from hetplan.hardware import GPUType
@@ -49,6 +50,10 @@ class StageEstimate:
     overhead_s: float = 0.0
     """Fixed per-micro-batch cost (all chunks, forward and backward), inside forward_s and
     backward_s."""
+    zero_comm_s: float = 0.0
+    """ZeRO-2/3 collectives per micro-batch not hidden behind its compute."""
+    param_gather_s: float = 0.0
+    """ZeRO-2: all-gather of the updated parameter shards after the optimizer step."""
     compute_source: str = "analytical"
     """Where the stage's compute times came from: measured, interpolated, scaled or
     analytical (the least trustworthy of its pieces)."""
@@ -61,7 +66,12 @@ class StageEstimate:
     def per_micro_batch_s(self) -> float:
         """Returns the stage's time for one micro-batch, forward and backward."""
         return (
-            self.forward_s + self.backward_s + self.recompute_s + self.tp_comm_s + self.p2p_wait_s
+            self.forward_s
+            + self.backward_s
+            + self.recompute_s
+            + self.tp_comm_s
+            + self.zero_comm_s
+            + self.p2p_wait_s
         )
 
     @property
@@ -194,10 +204,11 @@ def stage_times(
         n_ar = 4 * key.layers + (2 * key.layers if plan.recompute == "full" else 0)
         n_ar += (1 if key.first else 0) + (1 if key.last else 0)
         tp_comm = n_ar * one
-    if plan.overlap_tp_comm:
-        # Megatron-Core/TE split the TP matmuls into chunks whose collectives run under the
-        # neighbouring chunks' math: only what exceeds the compute stays exposed
-        tp_comm = max(0.0, tp_comm - (fwd + bwd + rc))
+    if plan.overlap_tp_comm and plan.sequence_parallel:
+        # Megatron-Core/Transformer Engine (which need sequence parallelism for it) split the
+        # TP matmuls into chunks whose collectives run under the neighbouring chunks' math:
+        # a fitted share hides, never more than the compute it hides under
+        tp_comm -= min(eff.tp_overlap * tp_comm, fwd + bwd + rc)
     return fwd, bwd, rc, tp_comm, overhead, combine_sources(sources)
 
 
@@ -220,10 +231,64 @@ def p2p_wait_s(sends: list[float], j: int, v: int, exposed: float) -> float:
     return 2.0 * exposed * total
 
 
-def zero3_exposed_s(gather_s: float, compute_s: float) -> float:
-    """Returns the part of ZeRO-3's per-micro-batch parameter gathers (forward and backward,
-    together the volume of one all-reduce) that prefetching cannot hide behind compute."""
-    return max(0.0, gather_s - compute_s)
+def sharded_microbatch_s(
+    plan: Plan,
+    model: ModelSpec,
+    layers: int,
+    tp: int,
+    first: bool,
+    last: bool,
+    single: bool,
+    group: list[Node],
+    params: CostParams,
+    concurrency: dict[str, int],
+    forward_s: float,
+    backward_s: float,
+) -> tuple[float, float]:
+    """Returns ZeRO-2/3's exposed collective time per micro-batch of a stage and, for
+    ZeRO-2, the parameter all-gather after the optimizer step (see ``cost.sharding``).
+
+    ``group``: the nodes of the stage's data-parallel group; ``forward_s``/``backward_s``:
+    the stage's per-micro-batch forward and backward-side compute they can hide under."""
+    if plan.zero_stage < 2 or len(group) <= 1:
+        return 0.0, 0.0
+    e = element_bytes(plan.precision)
+    total = stage_params(model, layers, tp, first, last, single)
+    share = params.gpu(group[0].gpu.name).grad_overlap
+
+    def gather(n: float) -> float:  # all-gather of n parameters
+        return comm.group_allreduce_s(n * e, group, params, concurrency, 0.5)
+
+    def scatter(n: float) -> float:  # reduce-scatter of n parameters' fp32 gradients
+        return comm.group_allreduce_s(n * GRAD_BYTES, group, params, concurrency, 0.5)
+
+    if plan.zero_stage == 3:
+        per_layer = model.layer_params() / tp
+        rest = max(total - layers * per_layer, 0.0)  # embedding and head
+        units = layers + (1 if rest > 0 else 0)
+        g = layers * gather(per_layer) + (gather(rest) if rest > 0 else 0.0)
+        r = layers * scatter(per_layer) + (scatter(rest) if rest > 0 else 0.0)
+        return zero3_exposed_s(g, r, units, forward_s, backward_s, share), 0.0
+    buckets = bucket_count(total, len(group))
+    r = buckets * scatter(total / buckets)
+    exposed = exposed_sync_s(r, backward_s, share, plan.overlap_grad_reduce, buckets)
+    return exposed, gather(total)
+
+
+def pipeline_talkers(plan: Plan, node_of: Any) -> dict[str, int]:
+    """Returns, per node, how many of its devices exchange pipeline activations or gradients
+    with a stage on another node (they send at about the same time, over the node's link)."""
+    devs: dict[str, set[str]] = {}
+    wrap = plan.virtual_stages > 1  # interleaved chunks also pass from the last stage to the first
+    for pipe in plan.pipelines:
+        p = len(pipe.stages)
+        for j in range(p if wrap else p - 1):
+            a, b = pipe.stages[j], pipe.stages[(j + 1) % p]
+            na, nb = node_of(a.devices[0]).name, node_of(b.devices[0]).name
+            if na != nb and p > 1:
+                devs.setdefault(na, set()).update(a.devices)
+                devs.setdefault(nb, set()).update(b.devices)
+    return {k: len(v) for k, v in devs.items()}
 
 
 def _sync_groups(plan: Plan, model: ModelSpec) -> list[tuple[float, list[tuple[int, int]]]]:
@@ -294,33 +359,25 @@ GRAD_BYTES = 4.0
 
 
 def grad_sync_times(layout: SyncLayout, plan: Plan, params: CostParams) -> list[float]:
-    """Returns, per layer segment of ``layout``, the time of its gradient reduction (an
-    all-reduce, or a reduce-scatter under ZeRO-3); zero where one replica holds it."""
-    volume = 0.5 if plan.zero_stage == 3 else 1.0
+    """Returns, per layer segment of ``layout``, the time of its gradient all-reduce once per
+    step (ZeRO-1's reduce-scatter and parameter all-gather move the same volume); zero where
+    one replica holds it, and under ZeRO-2/3, which reduce every micro-batch
+    (``sharded_microbatch_s``)."""
     out = []
     for (n_params, holders), per_rank in zip(layout.groups, layout.members, strict=True):
-        if len(holders) <= 1:
+        if len(holders) <= 1 or plan.zero_stage >= 2:  # ZeRO-2/3: every micro-batch
             out.append(0.0)
             continue
         tp_min = len(per_rank)
         out.append(
             max(
                 comm.group_allreduce_s(
-                    n_params * GRAD_BYTES / tp_min, members, params, layout.concurrency, volume
+                    n_params * GRAD_BYTES / tp_min, members, params, layout.concurrency
                 )
                 for members in per_rank
             )
         )
     return out
-
-
-def exposed_sync_s(t: float, window: float, share: float, overlap: bool) -> float:
-    """Returns the part of a gradient reduction of ``t`` seconds left after the last
-    backward: with overlap, buckets reduce while that backward (``window`` seconds) runs and
-    the overlappable ``share`` of the reduction hides under it; without, all of it."""
-    if not overlap:
-        return t
-    return t - min(share * t, window)
 
 
 def estimate(
@@ -351,7 +408,8 @@ def estimate(
     layout = sync_layout(plan, model, node_of)
     groups = layout.groups
     concurrency, dp_members = layout.concurrency, layout.dp_members
-    gather_memo: dict[tuple[int, float], float] = {}
+    gather_memo: dict[tuple[Any, ...], tuple[float, float]] = {}
+    talkers = pipeline_talkers(plan, node_of)
     stages: list[StageEstimate] = []
     replays: list[Replay] = []
     pipeline_times: list[float] = []
@@ -378,17 +436,23 @@ def estimate(
                 hit = stage_memo[memo_key] = stage_times(plan, model, key, node, params)
             fwd, bwd, rc, tpc, over, src = hit
             p_local = stage_params(model, stage.layers, stage.tp, first, last, p == 1)
-            if plan.zero_stage == 3 and (r, j) in dp_members:
+            zero_mb = param_gather = 0.0
+            if plan.zero_stage >= 2 and (r, j) in dp_members:
                 group = dp_members[(r, j)]
-                gkey = (id(group), p_local)
+                gkey = (id(group), stage.layers, stage.tp, first, last, fwd, bwd + rc + tpc)
                 if gkey not in gather_memo:
-                    gather_memo[gkey] = comm.group_allreduce_s(
-                        p_local * element_bytes(plan.precision), group, params, concurrency
-                    )
-                tpc += zero3_exposed_s(gather_memo[gkey], fwd + bwd)
+                    gather_memo[gkey] = sharded_microbatch_s(
+                        plan, model, stage.layers, stage.tp, first, last, p == 1, group, params,
+                        concurrency, fwd, bwd + rc + tpc,
+                    )  # fmt: skip
+                zero_mb, param_gather = gather_memo[gkey]
             act = plan.micro_batch_size * model.seq * model.hidden * element_bytes(plan.precision)
             nxt = nodes[(j + 1) % p]
-            send = comm.p2p_s(act / stage.tp, node, nxt, params, stage.tp) if p > 1 else 0.0
+            if p > 1:  # every device of a node sending across nodes shares its link
+                conc = max(talkers.get(node.name, 0), talkers.get(nxt.name, 0), stage.tp)
+                send = comm.p2p_s(act / stage.tp, node, nxt, params, conc)
+            else:
+                send = 0.0
             w, g, o = state_bytes(p_local, plan.precision, plan.zero_stage, dp)
             if plan.zero_stage == 3 and dp > 1:
                 w += zero3_working_bytes(model, stage.tp, plan.precision)
@@ -432,6 +496,8 @@ def estimate(
                     memory=mem,
                     capacity_bytes=node.gpu.memory_bytes,
                     optimizer_s=opt_s,
+                    zero_comm_s=zero_mb,
+                    param_gather_s=param_gather,
                     overhead_s=over,
                     compute_source=src,
                 )
@@ -443,7 +509,11 @@ def estimate(
         # chunk times: layers split evenly over v chunks; embedding on chunk 0, head on v-1
         fwd_c = [[(st.forward_s + st.p2p_wait_s / 2) / v] * v for st in row]
         bwd_c = [
-            [(st.backward_s + st.recompute_s + st.tp_comm_s + st.p2p_wait_s / 2) / v] * v
+            [
+                (st.backward_s + st.recompute_s + st.tp_comm_s + st.zero_comm_s + st.p2p_wait_s / 2)
+                / v
+            ]
+            * v
             for st in row
         ]
         sends = [st.send_s for st in row]
@@ -473,7 +543,8 @@ def estimate(
     sync_s: dict[tuple[int, int], float] = {}
     exposed_s: dict[tuple[int, int], float] = {}
     ready: dict[tuple[int, int], float] = {}
-    for t, (_, holders) in zip(grad_sync_times(layout, plan, params), groups, strict=True):
+    for t, (n_params, holders) in zip(grad_sync_times(layout, plan, params), groups,
+                                      strict=True):  # fmt: skip
         if len(holders) <= 1:
             continue
         end = max(replays[r].last_backward_end_s[j] for r, j in holders)
@@ -482,7 +553,9 @@ def estimate(
             for r, j in holders
         )
         share = min(params.gpu(by_pipe[r][j].gpu).grad_overlap for r, j in holders)
-        exposed = exposed_sync_s(t, window, share, plan.overlap_grad_reduce)
+        tp_min = min(plan.pipelines[r].stages[j].tp for r, j in holders)
+        buckets = bucket_count(n_params / tp_min, len(holders))
+        exposed = exposed_sync_s(t, window, share, plan.overlap_grad_reduce, buckets)
         for h in holders:
             sync_s[h] = sync_s.get(h, 0.0) + t
             exposed_s[h] = exposed_s.get(h, 0.0) + exposed
@@ -491,7 +564,7 @@ def estimate(
         key2 = (st.pipeline, st.stage)
         st.grad_sync_s = sync_s.get(key2, 0.0)
         st.sync_end_s = max(st.last_backward_end_s, ready.get(key2, 0.0) + exposed_s.get(key2, 0))
-        st.end_s = st.sync_end_s + st.optimizer_s
+        st.end_s = st.sync_end_s + st.optimizer_s + st.param_gather_s
 
     crit = max(stages, key=lambda s: s.end_s)
     iteration = crit.end_s
@@ -503,9 +576,10 @@ def estimate(
         "recompute_s": n_mb * crit.recompute_s,
         "tensor_parallel_comm_s": n_mb * crit.tp_comm_s,
         "pipeline_p2p_wait_s": n_mb * crit.p2p_wait_s,
+        "sharded_dp_comm_s": n_mb * crit.zero_comm_s + crit.param_gather_s,
         "pipeline_bubble_s": crit.last_backward_end_s
         - compute
-        - n_mb * (crit.tp_comm_s + crit.p2p_wait_s),
+        - n_mb * (crit.tp_comm_s + crit.zero_comm_s + crit.p2p_wait_s),
         "pipeline_send_s_per_micro_batch": crit.send_s,
         "data_parallel_sync_s": crit.sync_end_s - crit.last_backward_end_s,
         "data_parallel_sync_total_s": crit.grad_sync_s,

@@ -43,8 +43,12 @@ class GPUEfficiency:
     send/recv: 1; transfers fully hidden behind compute: 0)."""
     grad_overlap: float = 1.0
     """Fraction of the data-parallel gradient reduction that can run under the last backward
-    pass when the plan overlaps it (bucketing leaves the last bucket exposed; frameworks
-    differ); 0 = fully exposed."""
+    pass when the plan overlaps it (compute and collectives share the GPU; the last bucket
+    stays exposed regardless); 0 = fully exposed."""
+    tp_overlap: float = 0.5
+    """Fraction of the tensor-parallel collectives hidden under the TP matmuls when the plan
+    overlaps them (Megatron-Core/Transformer Engine userbuffers, with sequence
+    parallelism); 0 = fully exposed."""
 
     def __post_init__(self) -> None:
         if not 0 < self.gemm_max <= 1 or not 0 < self.mem_efficiency <= 1:
@@ -60,8 +64,9 @@ class GPUEfficiency:
                 raise InputError(f"calibration.{name}", "must be >= 0")
         if not 0 <= self.p2p_exposed <= 1:
             raise InputError("calibration.p2p_exposed", "must lie in [0, 1]")
-        if not 0 <= self.grad_overlap <= 1:
-            raise InputError("calibration.grad_overlap", "must lie in [0, 1]")
+        for name in ("grad_overlap", "tp_overlap"):
+            if not 0 <= getattr(self, name) <= 1:
+                raise InputError(f"calibration.{name}", "must lie in [0, 1]")
 
 
 @dataclass(frozen=True)

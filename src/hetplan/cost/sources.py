@@ -353,7 +353,7 @@ class ComputeSource:
         if steps and all(t is not None for t, _ in steps):
             # each piece was timed on its own, behind the profiler's synchronisation
             sync = eff.profile_sync_s
-            total = sum(max(t - sync, 0.1 * t) * k for t, k in steps)  # type: ignore[operator]
+            total = sum(max(t - sync, 0.1 * t) * k for t, k in steps)
             return total / shards, "measured"
         return optimizer_time_s(params_local / shards, gpu, eff, precision), "analytical"
 

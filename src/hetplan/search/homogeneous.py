@@ -13,7 +13,6 @@ from hetplan.cost.estimate import (
     StageKey,
     SyncLayout,
     estimate,
-    exposed_sync_s,
     grad_sync_times,
     stage_times,
     sync_layout,
@@ -26,6 +25,7 @@ from hetplan.cost.memory import (
 )
 from hetplan.cost.params import CostParams, default_params
 from hetplan.cost.schedule import peak_in_flight
+from hetplan.cost.sharding import bucket_count, exposed_sync_s
 from hetplan.errors import InputError
 from hetplan.model import ModelSpec
 from hetplan.plan import Plan, element_bytes
@@ -299,7 +299,7 @@ class _Scorer:
             first, last = j == 0, j == p - 1
             skey = (node.gpu.name, node.intra_node_bytes_per_s, c.tp, layers, first, last,
                     c.micro_batch, c.recompute, v, self.precision, self.flash,
-                    self.space.overlap_tp_comm)  # fmt: skip
+                    self.space.overlap_tp_comm, c.sequence_parallel)  # fmt: skip
             times = memo.stages.get(skey)
             if times is None:
                 key = StageKey(node.gpu, node.intra_node_bytes_per_s, c.tp, layers, first, last,
@@ -316,10 +316,13 @@ class _Scorer:
                     p_local, shards,
                 )[0]  # fmt: skip
             share = params.gpu(node.gpu.name).grad_overlap
-            exposed = sum(
-                exposed_sync_s(sync_s[g], math.inf, share, self.space.overlap_grad_reduce)
-                for g in lay.holds[j]
-            )
+            exposed = 0.0
+            for g in lay.holds[j]:
+                n_params, holders = lay.sync.groups[g]
+                tp_min = min(lay.plan.pipelines[r].stages[i].tp for r, i in holders)
+                buckets = bucket_count(n_params / tp_min, len(holders))
+                exposed += exposed_sync_s(sync_s[g], math.inf, share,
+                                          self.space.overlap_grad_reduce, buckets)  # fmt: skip
             own = f_acc + m * (fwd + bwd + rc + tpc)
             busy.append(own + exposed + opt)
             ends.append(own + b_acc)

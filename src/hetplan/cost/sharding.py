@@ -1,0 +1,67 @@
+"""Data-parallel traffic as the frameworks issue it: gradient buckets overlapped with the
+backward (the last bucket exposed), and ZeRO-2/3 (FSDP) collectives per micro-batch.
+
+ZeRO-2 keeps only a shard of the gradients, so every micro-batch's gradients are
+reduce-scattered during its backward (DeepSpeed ZeRO-2, FSDP SHARD_GRAD_OP) and the
+updated parameter shards are all-gathered after the optimizer step. ZeRO-3 (FSDP
+FULL_SHARD) also shards the parameters: each layer is all-gathered before its forward and
+again before its backward, and its gradients are reduce-scattered right after, one
+collective per layer per micro-batch (latency paid each time), prefetched one layer ahead.
+Ring volumes per member (Rajbhandari et al. 2020): all-gather and reduce-scatter each
+(n-1)/n of the data, so ZeRO-3 moves 3x the parameters per micro-batch where plain data
+parallelism moves 2x once per step.
+"""
+
+from __future__ import annotations
+
+import math
+
+BUCKET_PARAMS = 40e6
+"""Gradient bucket of Megatron-Core's DDP: max(40M, 1M x DP) parameters."""
+
+
+def bucket_count(params_local: float, dp: int) -> int:
+    """Returns the number of gradient buckets of ``params_local`` parameters."""
+    return max(1, math.ceil(params_local / max(BUCKET_PARAMS, 1e6 * dp)))
+
+
+def exposed_sync_s(t: float, window: float, share: float, overlap: bool, buckets: int) -> float:
+    """Returns the part of a gradient reduction of ``t`` seconds left after the last
+    backward.
+
+    With overlap, ``buckets`` equal buckets become ready one by one during that backward
+    (``window`` seconds) and reduce one after another; a ``share`` of the reduction can run
+    concurrently with compute. The last bucket is ready only when the backward ends, so at
+    least its reduction is exposed. Without overlap, all of it."""
+    if not overlap or t <= 0:
+        return t
+    n = max(buckets, 1)
+    return max(t / n, t - min(share * t, window * (n - 1) / n))
+
+
+def zero3_exposed_s(
+    gather_s: float,
+    scatter_s: float,
+    units: int,
+    forward_s: float,
+    backward_s: float,
+    share: float = 1.0,
+) -> float:
+    """Returns ZeRO-3's per-micro-batch collective time not hidden behind compute.
+
+    ``gather_s``/``scatter_s``: one all-gather of all ``units`` layers' parameters and one
+    reduce-scatter of their gradients (summed over the per-layer collectives). Forward:
+    layer i+1 is gathered while layer i computes, the first gather is exposed. Backward:
+    each layer is gathered again and its gradients reduce-scattered while the next layer's
+    backward runs; the first gather and the last reduce-scatter are exposed. Collectives
+    running under compute take GPU resources from it: only a ``share`` of them is free, the
+    rest lengthens the layer it runs under. With no compute to hide under, every collective
+    is exposed: ``units`` x (2 gathers + 1 reduce-scatter)."""
+    if units <= 0 or gather_s + scatter_s <= 0:
+        return 0.0
+    g, r = gather_s / units, scatter_s / units
+    f, b = forward_s / units, backward_s / units
+    u = units
+    fwd = g + (u - 1) * max(f + (1.0 - share) * g, g) + f - u * f
+    bwd = g + (u - 1) * max(b + (1.0 - share) * (g + r), g + r) + b + r - u * b
+    return fwd + bwd
