@@ -144,19 +144,31 @@ def _max_units(
 
 
 def _caps(
-    fill: NDArray[np.float64], bott: NDArray[np.float64], z: float, total: int
+    fill: NDArray[np.float64],
+    bott: NDArray[np.float64],
+    z: float,
+    total: int,
+    steps: NDArray[np.int64] | None = None,
 ) -> NDArray[np.int64]:
     room = np.floor((z - fill) / bott * (1 + 1e-12) + 1e-9) + 1
-    return np.clip(room, 0, total).astype(np.int64)
+    cap = np.clip(room, 0, total).astype(np.int64)
+    if steps is not None:
+        cap = cap // steps * steps
+    return cap
 
 
 def _realise(
-    x: NDArray[np.int64], fill: NDArray[np.float64], bott: NDArray[np.float64], total: int
+    x: NDArray[np.int64],
+    fill: NDArray[np.float64],
+    bott: NDArray[np.float64],
+    total: int,
+    steps: NDArray[np.int64] | None = None,
 ) -> Selection | None:
     variants = [int(v) for v in np.repeat(np.arange(len(x)), x)]
     f = [float(fill[v]) for v in variants]
     b = [float(bott[v]) for v in variants]
-    counts = split_batch(f, b, total)
+    step = None if steps is None else [int(steps[v]) for v in variants]
+    counts = split_batch(f, b, total, step)
     if counts is None:
         return None
     return Selection(tuple(variants), tuple(counts), split_time_s(f, b, counts))
@@ -177,6 +189,8 @@ def select_pipelines(
     memo: MilpMemo | None = None,
     bound: Rows | None = None,
     slack_s: float = math.inf,
+    steps: NDArray[np.int64] | None = None,
+    bound_steps: NDArray[np.int64] | None = None,
 ) -> Selection | None:
     """Returns the pipelines minimising the slowest ``fill + (m-1) * bottleneck``.
 
@@ -186,6 +200,8 @@ def select_pipelines(
     whose ``fill + (m-1) * bottleneck`` bound a pipeline's true time from below; default
     the variants) is faster than ``cutoff_s``: then nothing built here can be. If some
     is, the best time is at most ``cutoff_s + slack_s``, where the bisection starts.
+    ``steps`` (``bound_steps``): per row, the multiple its micro-batches must be
+    (interleaved pipelines run a multiple of their stages); default 1.
     """
     fill = np.asarray(fill_s, dtype=float)
     bott = np.asarray(bottleneck_s, dtype=float)
@@ -198,9 +214,14 @@ def select_pipelines(
     bc = np.asarray(bc, dtype=np.int64)
     if hi_n == 1:  # one pipeline: the best variant that fits, running every micro-batch
         fits = np.all(bc <= avl[None, :], axis=1)
+        if bound_steps is not None:
+            fits &= total_micro % np.asarray(bound_steps) == 0
         if not np.any(fits) or float(np.min((bf + (total_micro - 1) * bb)[fits])) >= cutoff_s:
             return None
-        ok = np.flatnonzero(np.all(cnt <= avl[None, :], axis=1))
+        whole = np.all(cnt <= avl[None, :], axis=1)
+        if steps is not None:
+            whole &= total_micro % np.asarray(steps) == 0
+        ok = np.flatnonzero(whole)
         if ok.size == 0:
             return None
         t = fill[ok] + (total_micro - 1) * bott[ok]
@@ -209,9 +230,11 @@ def select_pipelines(
     memo = memo if memo is not None else MilpMemo()
     tail = np.array([lo_n, hi_n, total_micro, *avl], dtype=np.int64).tobytes()
 
-    def feasible(rows: Rows, gid: NDArray[np.int64], z: float) -> NDArray[np.int64] | None:
+    def feasible(
+        rows: Rows, gid: NDArray[np.int64], z: float, step: NDArray[np.int64] | None
+    ) -> NDArray[np.int64] | None:
         c, f, b = rows
-        cap = _caps(f, b, z, total_micro)
+        cap = _caps(f, b, z, total_micro, step)
         cols = _columns(c, gid, cap, f + (cap - 1) * b)
         key = b"".join((c[cols].tobytes(), cap[cols].tobytes(), tail))
         if key in memo.answers:
@@ -233,13 +256,15 @@ def select_pipelines(
 
     if math.isfinite(cutoff_s):  # one MILP: can any selection's bound beat the cutoff?
         floor = np.min(bf + (math.ceil(total_micro / hi_n) - 1) * bb) * (1 - 1e-9)
-        if floor >= cutoff_s or feasible((bc, bf, bb), groups(bc), cutoff_s * (1 - 1e-12)) is None:
+        if floor >= cutoff_s:
+            return None
+        if feasible((bc, bf, bb), groups(bc), cutoff_s * (1 - 1e-12), bound_steps) is None:
             return None
     rows, gid = (cnt, fill, bott), groups(cnt)
 
     def probe(z: float) -> Selection | None:
-        x = feasible(rows, gid, z)
-        return None if x is None else _realise(x, fill, bott, total_micro)
+        x = feasible(rows, gid, z, steps)
+        return None if x is None else _realise(x, fill, bott, total_micro, steps)
 
     # every selection fits under ``top``; none under ``lo`` (a pipeline runs >= total/hi_n)
     top = float(np.max(fill + (total_micro - lo_n) * bott))

@@ -1,7 +1,13 @@
-"""Cost tables of one device class under one set of knobs, and pipeline templates.
+"""Cost tables of one device class under one set of knobs, pipeline templates, and the
+lower bounds the heterogeneous search prunes by.
 
-The tables use the same compute, communication and memory functions as ``estimate``;
-the search reads only these numbers, so tests can replace them with random ones.
+Nothing here models time on its own: a stage's per-micro-batch forward and backward come
+from ``estimate``'s ``stage_times`` for its actual layer count and position, each transfer
+from ``comm.p2p_s`` between the nodes involved, each stage's wait in its own transfers from
+``p2p_wait_s``, the optimizer step from ``params.compute.optimizer_s`` and memory from the
+memory functions ``estimate`` sums, with the plan's own sequence-parallel, ZeRO and
+schedule knobs. The linear per-layer figures (``layer_s`` ...) are differences of
+``stage_times`` used to generate layer splits; bounds read the stage times themselves.
 """
 
 from __future__ import annotations
@@ -12,13 +18,24 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from hetplan.cluster import Node
 from hetplan.cost import comm
-from hetplan.cost.memory import stage_activation_bytes, stage_params, state_bytes
+from hetplan.cost.estimate import StageKey, p2p_wait_s, stage_times
+from hetplan.cost.memory import (
+    stage_activation_bytes,
+    stage_params,
+    state_bytes,
+    zero3_working_bytes,
+)
 from hetplan.cost.params import CostParams
+from hetplan.cost.schedule import EXACT_ACTION_LIMIT, peak_in_flight, replay
 from hetplan.model import ModelSpec
-from hetplan.plan import element_bytes
+from hetplan.plan import Plan, element_bytes
 from hetplan.search.grouping import DeviceClass
 from hetplan.search.partition import Partition, uniform_frontier
+
+MANY = 1 << 30
+"""A micro-batch count beyond any warm-up: the steady-state number of chunks in flight."""
 
 
 @dataclass(frozen=True)
@@ -32,6 +49,48 @@ class Knobs:
     """Data-parallel degree the ZeRO memory saving assumes (a lower bound of the plan's)."""
     precision: str
     flash_attention: bool
+    schedule: str = "1F1B"
+    virtual_stages: int = 1
+    sequence_parallel: bool | None = None
+    """None: memory is the least of on and off (they share their times; the plan that is
+    built gets the choice that fits, both being estimated)."""
+    zero_choices: tuple[int, ...] = ()
+    """ZeRO stages whose least memory sets the caps (empty: ``zero_stage`` alone)."""
+
+    def time_plan(self) -> Plan:
+        """Returns a plan carrying the knobs ``stage_times`` reads (no pipelines)."""
+        return Plan(
+            global_batch_size=0,
+            micro_batch_size=self.micro_batch,
+            pipelines=(),
+            precision=self.precision,
+            recompute=self.recompute,
+            zero_stage=self.zero_stage,
+            schedule=self.schedule,
+            virtual_stages=self.virtual_stages,
+            sequence_parallel=bool(self.sequence_parallel),
+            flash_attention=self.flash_attention,
+        )
+
+
+def stage_state_bytes(
+    model: ModelSpec,
+    layers: int,
+    tp: int,
+    first: bool,
+    last: bool,
+    single: bool,
+    precision: str,
+    zero: int,
+    dp: int,
+) -> float:
+    """Returns weights, gradients and optimizer state of one stage device, as ``estimate``
+    counts them (ZeRO-3's gathered working layers included when it shards)."""
+    p_local = stage_params(model, layers, tp, first, last, single)
+    w, g, o = state_bytes(p_local, precision, zero, dp)
+    if zero == 3 and dp > 1:
+        w += zero3_working_bytes(model, tp, precision)
+    return w + g + o
 
 
 @dataclass
@@ -41,11 +100,13 @@ class ClassTable:
     cls: DeviceClass
     tp: int
     layer_s: float
-    """One transformer layer, forward + backward + recomputation + TP all-reduces."""
+    """One more transformer layer on a stage: forward, backward, recomputation and TP
+    collectives (a difference of ``stage_times``)."""
     embedding_s: float
     head_s: float
     overhead_s: float
-    """The fixed cost per micro-batch of any stage of this class (CostParams)."""
+    """The fixed cost per micro-batch of any stage of this class (``stage_times`` at no
+    layers: the framework's overhead and the runtime's per-action cost, per chunk)."""
     p2p_exposed: float
     """Share of each pipeline transfer a stage of this class waits for (CostParams)."""
     send_intra_s: float
@@ -54,32 +115,120 @@ class ClassTable:
     model: ModelSpec
     knobs: Knobs
     reserve_bytes: float
+    params: CostParams | None = None
+    node: Node | None = None
+    peer: Node | None = None
+    """Another node of the class (or a copy of ``node`` under another name)."""
     _caps: dict[tuple[int, int], int] = field(default_factory=dict)
+    _times: dict[tuple[int, bool, bool], tuple[float, float]] = field(default_factory=dict)
 
-    def stage_bytes(self, layers: int, j: int, p: int) -> float:
-        """Returns the peak bytes of a stage at position ``j`` of ``p`` holding ``layers``."""
-        k, m = self.knobs, self.model
-        first, last = j == 0, j == p - 1
-        params = stage_params(m, layers, self.tp, first, last, p == 1)
-        w, g, o = state_bytes(params, k.precision, k.zero_stage, k.dp_assumed)
-        acts = stage_activation_bytes(
-            m, layers, self.tp, k.micro_batch, self.tp > 1, k.recompute,
-            k.flash_attention, first, last, p - j, 1, k.precision,
+    @property
+    def pair_in_node(self) -> bool:
+        """Returns whether two of the class's TP groups fit on one node."""
+        return self.cls.gpus_per_node >= 2 * self.tp
+
+    def stage_fb(self, layers: int, first: bool, last: bool) -> tuple[float, float]:
+        """Returns (forward, backward side) of a stage of ``layers`` layers per micro-batch
+        from ``stage_times``: the backward side holds recomputation and TP collectives."""
+        key = (layers, first, last)
+        hit = self._times.get(key)
+        if hit is None:
+            assert self.params is not None and self.node is not None
+            node = self.node
+            skey = StageKey(node.gpu, node.intra_node_bytes_per_s, self.tp, layers, first, last,
+                            first and last)  # fmt: skip
+            fwd, bwd, rc, tpc, _, _ = stage_times(
+                self.knobs.time_plan(), self.model, skey, node, self.params
+            )
+            hit = self._times[key] = (fwd, bwd + rc + tpc)
+        return hit
+
+    def stage_s(self, layers: int, first: bool, last: bool) -> float:
+        """Returns a stage's forward plus backward side per micro-batch (no transfers)."""
+        f, b = self.stage_fb(layers, first, last)
+        return f + b
+
+    def send_s(self, other: ClassTable, same_node: bool) -> float:
+        """Returns one transfer from a stage of this class to one of ``other``'s, inside one
+        node or between two (``comm.p2p_s``, as ``estimate`` sends them)."""
+        assert self.params is not None and self.node is not None
+        act = self.knobs.micro_batch * self.model.seq * self.model.hidden
+        size = act * element_bytes(self.knobs.precision) / self.tp
+        if same_node:
+            return comm.p2p_s(size, self.node, self.node, self.params, self.tp)
+        dst = other.peer if other.cls.key == self.cls.key else other.node
+        assert dst is not None
+        return comm.p2p_s(size, self.node, dst, self.params, self.tp)
+
+    def min_send_s(self, other: ClassTable) -> float:
+        """Returns the least a transfer to a stage of ``other`` can take on this cluster."""
+        same = other.cls.key == self.cls.key
+        out = math.inf
+        if same and self.pair_in_node:
+            out = self.send_s(other, True)
+        if not same or len(self.cls.nodes) > 1:
+            out = min(out, self.send_s(other, False))
+        return out if math.isfinite(out) else self.send_s(other, False)
+
+    def optimizer_s(self, layers: int, first: bool, last: bool, single: bool, shards: int) -> float:
+        """Returns a stage's optimizer step (``params.compute.optimizer_s``)."""
+        assert self.params is not None
+        gpu = self.cls.gpu
+        p_local = stage_params(self.model, layers, self.tp, first, last, single)
+        pieces = [("layer", layers), ("embed", int(first)), ("head", int(last))]
+        return float(
+            self.params.compute.optimizer_s(
+                self.model, gpu, self.params.gpu(gpu.name), self.tp, self.knobs.precision,
+                pieces, p_local, shards,
+            )[0]
         )  # fmt: skip
-        return w + g + o + acts + self.reserve_bytes
+
+    def activation_bytes(
+        self, layers: int, first: bool, last: bool, in_flight: int, sp: bool
+    ) -> float:
+        """Returns a stage's peak activations (``stage_activation_bytes``)."""
+        k = self.knobs
+        return stage_activation_bytes(
+            self.model, layers, self.tp, k.micro_batch, sp, k.recompute, k.flash_attention,
+            first, last, in_flight, k.virtual_stages, k.precision,
+        )  # fmt: skip
+
+    def stage_bytes(self, layers: int, j: int, p: int, m: int = MANY) -> float:
+        """Returns the peak bytes of a stage at position ``j`` of ``p`` holding ``layers``
+        with ``m`` micro-batches (default: as many as the schedule keeps in flight), the
+        least over the knobs' sequence-parallel and ZeRO choices."""
+        k = self.knobs
+        first, last = j == 0, j == p - 1
+        units = peak_in_flight(k.schedule, p, m, k.virtual_stages, j)
+        sps = (False, True) if k.sequence_parallel is None else (k.sequence_parallel,)
+        if self.tp == 1:
+            sps = sps[:1]
+        acts = min(self.activation_bytes(layers, first, last, units, sp) for sp in sps)
+        state = min(
+            stage_state_bytes(self.model, layers, self.tp, first, last, p == 1, k.precision, z,
+                              k.dp_assumed)  # fmt: skip
+            for z in (k.zero_choices or (k.zero_stage,))
+        )
+        return state + acts + self.reserve_bytes
 
     def max_layers(self, j: int, p: int) -> int:
         """Returns the most layers a stage at position ``j`` of ``p`` holds in memory."""
         key = (j, p)
         if key not in self._caps:
             cap = self.cls.gpu.memory_bytes
-            one = self.stage_bytes(1, j, p)
-            if one > cap:
+            top = self.model.layers
+            if self.stage_bytes(1, j, p) > cap:
                 self._caps[key] = 0
             else:
-                slope = self.stage_bytes(2, j, p) - one
-                self._caps[key] = self.model.layers if slope <= 0 else 1 + int((cap - one) // slope)
-        return min(self._caps[key], self.model.layers)
+                lo, hi = 1, top  # memory grows with layers: bisect the most that fit
+                while lo < hi:
+                    mid = (lo + hi + 1) // 2
+                    if self.stage_bytes(mid, j, p) <= cap:
+                        lo = mid
+                    else:
+                        hi = mid - 1
+                self._caps[key] = lo
+        return self._caps[key]
 
 
 def class_table(
@@ -87,33 +236,44 @@ def class_table(
 ) -> ClassTable:
     """Returns the cost table of ``cls`` at tensor-parallel degree ``tp``."""
     node = cls.nodes[0]
-    eff = params.gpu(cls.gpu.name)
-    mb, prec = knobs.micro_batch, knobs.precision
-    src = params.compute
-    lt = src.layer(model, cls.gpu, params, tp, mb, prec, knobs.flash_attention).times
-    rc = {"none": 0.0, "selective": lt.selective_recompute_s, "full": lt.forward_s}
-    act = mb * model.seq * model.hidden * element_bytes(prec)
-    ar = comm.intra_node_allreduce_s(act, tp, node, params)
-    if src.tp_comm_included(cls.gpu, model, tp, mb, prec):
-        ar = 0.0
-    n_ar = 4 + (2 if knobs.recompute == "full" else 0)
-    peer = replace(node, name=node.name + "~peer")  # another node with the same links
-    et = src.embedding(model, cls.gpu, params, tp, mb, prec, knobs.flash_attention).times
-    ht = src.head(model, cls.gpu, params, tp, mb, prec, knobs.flash_attention).times
-    return ClassTable(
+    peer = cls.nodes[1] if len(cls.nodes) > 1 else replace(node, name=node.name + "~peer")
+    table = ClassTable(
         cls=cls,
         tp=tp,
-        layer_s=lt.forward_s + lt.backward_s + rc[knobs.recompute] + n_ar * ar,
-        embedding_s=et.forward_s + et.backward_s + ar,
-        head_s=ht.forward_s + ht.backward_s + ar,
-        overhead_s=eff.microbatch_overhead_s + 2 * src.action_overhead_s(cls.gpu),
-        p2p_exposed=eff.p2p_exposed,
-        send_intra_s=comm.p2p_s(act / tp, node, node, params),
-        send_inter_s=comm.p2p_s(act / tp, node, peer, params, concurrency=tp),
+        layer_s=0.0,
+        embedding_s=0.0,
+        head_s=0.0,
+        overhead_s=0.0,
+        p2p_exposed=params.gpu(cls.gpu.name).p2p_exposed,
+        send_intra_s=0.0,
+        send_inter_s=0.0,
         groups=len(cls.groups(tp)),
         model=model,
         knobs=knobs,
         reserve_bytes=params.memory_reserve_bytes,
+        params=params,
+        node=node,
+        peer=peer,
+    )
+    base = table.stage_s(0, False, False)
+    table.overhead_s = base
+    table.layer_s = table.stage_s(1, False, False) - base
+    table.embedding_s = table.stage_s(0, True, False) - base
+    table.head_s = table.stage_s(0, False, True) - base
+    table.send_intra_s = table.send_s(table, True)
+    table.send_inter_s = table.send_s(table, False)
+    return table
+
+
+def per_layer_floor_s(table: ClassTable) -> float:
+    """Returns the least time per layer and micro-batch any stage of the class spends
+    (forward, backward side; no transfers), a throughput bound's unit of work: the least
+    slope of ``stage_times`` over the stage positions (its times are affine in the layers,
+    with a non-negative fixed part)."""
+    top = table.model.layers
+    return min(
+        (table.stage_s(top, first, last) - table.stage_s(0, first, last)) / top
+        for first, last in ((False, False), (True, False), (False, True), (True, True))
     )
 
 
@@ -129,29 +289,44 @@ class Template:
 
 
 class StageArrays:
-    """Per-class arrays of a list of tables, to build stage arrays without Python loops."""
+    """Per-class arrays of a list of tables, to build stage arrays without Python loops.
+
+    Splits are generated in units of the knobs' virtual stages (an interleaved stage
+    holds a multiple of them): ``tau`` is per unit, ``caps`` in units."""
 
     def __init__(self, tables: list[ClassTable]) -> None:
         self.tables = tables
-        self.layer_s = np.array([t.layer_s for t in tables])
+        self.unit = tables[0].knobs.virtual_stages if tables else 1
+        u = self.unit
+        self.layer_s = np.array([t.layer_s * u for t in tables])
         self.embedding_s = np.array([t.embedding_s for t in tables])
         self.head_s = np.array([t.head_s for t in tables])
         self.overhead_s = np.array([t.overhead_s for t in tables])
         self.p2p_exposed = np.array([t.p2p_exposed for t in tables])
-        self.intra_s = np.array([t.send_intra_s for t in tables])
-        self.inter_s = np.array([t.send_inter_s for t in tables])
-        self.pair_in_node = np.array([t.cls.gpus_per_node >= 2 * t.tp for t in tables])
+        self.pair_in_node = np.array([t.pair_in_node for t in tables])
+        n = len(tables)
+        # transfers between stages of two classes: inside a node where the same class
+        # holds two groups per node (as plans are laid out), else between nodes
+        self.hop = np.array(
+            [
+                [
+                    a.send_s(b, same_node=(i == k and a.pair_in_node))
+                    for k, b in enumerate(tables)
+                ]
+                for i, a in enumerate(tables)
+            ]
+        ).reshape(n, n)
         self._caps: dict[int, np.ndarray] = {}
 
     def caps(self, p: int) -> np.ndarray:
-        """Returns the most layers each class holds at each position of ``p`` stages."""
+        """Returns the most units each class holds at each position of ``p`` stages."""
         if p not in self._caps:
-            rows = [[t.max_layers(j, p) for j in range(p)] for t in self.tables]
+            rows = [[t.max_layers(j, p) // self.unit for j in range(p)] for t in self.tables]
             self._caps[p] = np.array(rows, dtype=np.int64).reshape(len(self.tables), p)
         return self._caps[p]
 
     def of(self, seq: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray, np.ndarray, float]:
-        """Returns per-stage (time per layer, fixed time, max layers) and the send total."""
+        """Returns per-stage (time per unit, fixed time, max units) and the send total."""
         p = len(seq)
         k = np.asarray(seq, dtype=np.int64)
         tau = self.layer_s[k]
@@ -159,22 +334,17 @@ class StageArrays:
         fixed[0] += self.embedding_s[k[0]]
         fixed[-1] += self.head_s[k[-1]]
         caps = self.caps(p)[k, np.arange(p)]
-        a, b = k[:-1], k[1:]
-        same = (a == b) & self.pair_in_node[a]
-        hop = np.where(same, self.intra_s[a], np.maximum(self.inter_s[a], self.inter_s[b]))
-        # blocked in its own transfers (estimate.p2p_wait_s with v = 1): both directions of
-        # the hop to the previous and to the next stage
-        wait = np.zeros(p)
-        wait[1:] += hop
-        wait[:-1] += hop
-        fixed += 2.0 * self.p2p_exposed[k] * wait
-        return tau, fixed, caps, 2.0 * float(hop.sum())
+        v = self.unit
+        sends = [float(self.hop[k[j], k[(j + 1) % p]]) for j in range(p)]
+        for j in range(p):
+            fixed[j] += p2p_wait_s(sends, j, v, float(self.p2p_exposed[k[j]]))
+        return tau, fixed, caps, 2.0 * float(sum(sends[: p - 1]))
 
 
 def stage_arrays(
     tables: list[ClassTable], seq: tuple[int, ...]
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, float]:
-    """Returns per-stage (time per layer, fixed time, max layers) and the send total."""
+    """Returns per-stage (time per layer unit, fixed time, max units) and the send total."""
     return StageArrays(tables).of(seq)
 
 
@@ -188,13 +358,19 @@ def make_template(
     cache: FrontierCache | None = None,
 ) -> Template | None:
     """Returns the template of a stage sequence, or None if the layers cannot fit; equal
-    stage arrays share one frontier through ``cache``."""
+    stage arrays share one frontier through ``cache``. Splits are in layers."""
     arrays = tables if isinstance(tables, StageArrays) else StageArrays(tables)
+    u = arrays.unit
+    if layers % u:
+        return None
     tau, fixed, caps, sends = arrays.of(seq)
-    key = b"".join((tau.tobytes(), fixed.tobytes(), caps.tobytes(), layers.to_bytes(4, "little")))
+    units = layers // u
+    key = b"".join((tau.tobytes(), fixed.tobytes(), caps.tobytes(), units.to_bytes(4, "little")))
     frontier = cache.get(key) if cache is not None else None
     if frontier is None:
-        frontier = tuple(uniform_frontier(tau, fixed, caps, layers))
+        frontier = tuple(uniform_frontier(tau, fixed, caps, units))
+        if u > 1:
+            frontier = tuple(Partition(tuple(x * u for x in q.layers), q.stage_s) for q in frontier)
         if cache is not None:
             cache[key] = frontier
     if not frontier:
@@ -238,3 +414,57 @@ def compositions(
                 if 1 <= sum(c) <= max_stages:
                     out.add(c)
     return sorted(out)
+
+
+# ------------------------------------------------------------------------- lower bounds
+
+
+def replay_is_exact(p: int, m: int, v: int) -> bool:
+    """Returns whether ``estimate`` replays a pipeline of this size action by action (its
+    longer runs are extrapolated, where only the closed-form bound is proven)."""
+    return (p == 1 and v == 1) or 2 * p * m * v <= EXACT_ACTION_LIMIT or m <= 3 * p
+
+
+def pipeline_bound_s(
+    schedule: str,
+    m: int,
+    v: int,
+    fwd_s: list[float],
+    bwd_s: list[float],
+    send_s: list[float],
+    opt_s: list[float],
+) -> float:
+    """Returns a lower bound of the latest ``last backward end + optimizer`` over one
+    pipeline's stages in ``estimate``, for any plan whose stages take at least ``fwd_s`` /
+    ``bwd_s`` per micro-batch (waits included), whose transfers take at least ``send_s``
+    (stage j to j+1, wrapping) and whose optimizer steps take at least ``opt_s``.
+
+    The replay is monotone in every duration, so replaying these times bounds
+    ``estimate``'s where it replays exactly. Otherwise, per stage j: its first forward
+    waits for the first chunk of every earlier stage and the transfers between them, it
+    then computes all its m (F + B), and after its last backward every earlier stage
+    still runs one backward chunk, transfers included, before stage 0 ends."""
+    p = len(fwd_s)
+    if replay_is_exact(p, m, v):
+        if p == 1 and v == 1:
+            ends = [m * (fwd_s[0] + bwd_s[0])]
+        else:
+            rep = replay(
+                schedule,
+                m,
+                v,
+                [[f / v] * v for f in fwd_s],
+                [[b / v] * v for b in bwd_s],
+                list(send_s),
+            )
+            ends = rep.last_backward_end_s
+        return max(e + o for e, o in zip(ends, opt_s, strict=True)) * (1.0 - 1e-9)
+    f_acc = b_acc = 0.0
+    out = last = 0.0
+    for j in range(p):
+        own = f_acc + m * (fwd_s[j] + bwd_s[j])
+        out = max(out, own + opt_s[j])
+        last = max(last, own + b_acc)
+        f_acc += fwd_s[j] / v + send_s[j]
+        b_acc += bwd_s[j] / v + send_s[j]
+    return max(out, last + opt_s[0]) * (1.0 - 1e-9)

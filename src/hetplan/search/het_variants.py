@@ -40,13 +40,14 @@ class Variants:
     """The most any point's fill exceeds its bound's fill."""
 
 
-def bound_fill_s(stage_s: tuple[float, ...]) -> float:
+def bound_fill_s(stage_s: tuple[float, ...], v: int = 1) -> float:
     """Returns a fill whose ``fill + (m-1) * bottleneck`` bounds any schedule's time from
     below: the last slowest stage runs m micro-batches after every earlier stage's first
-    forward and before their last backward (later stages may overlap it)."""
+    forward chunk and before their last backward chunk (later stages may overlap it);
+    ``v`` chunks per stage."""
     top = max(stage_s)
     last = max(j for j, t in enumerate(stage_s) if t == top)
-    return float(sum(stage_s[:last])) + top
+    return float(sum(stage_s[:last])) / v + top
 
 
 def build_templates(
@@ -61,7 +62,8 @@ def build_templates(
     arrays = StageArrays(tables)
     out: dict[tuple[int, ...], Template] = {}
     orders = class_orders(tables)
-    for counts in compositions(avail, min(MAX_STAGES, layers), TEMPLATE_BUDGET, max_pipelines):
+    most = min(MAX_STAGES, layers // arrays.unit)
+    for counts in compositions(avail, most, TEMPLATE_BUDGET, max_pipelines):
         for order in orders:
             seq = tuple(k for k in order for _ in range(counts[k]))
             if seq not in out:
@@ -99,13 +101,14 @@ def pareto_rows(c: np.ndarray, f: np.ndarray, b: np.ndarray) -> np.ndarray:
     return np.sort(idx)
 
 
-def variants(templates: list[Template]) -> Variants:
-    """Returns the non-dominated (template, frontier point) pairs and every point's bound."""
+def variants(templates: list[Template], v: int = 1) -> Variants:
+    """Returns the non-dominated (template, frontier point) pairs and every point's bound
+    (``v`` chunks per stage)."""
     keys = [(i, j) for i, tpl in enumerate(templates) for j in range(len(tpl.frontier))]
     c = np.array([tpl.counts for tpl in templates for _ in tpl.frontier], dtype=np.int64)
     f = np.array([q.fill_s + tpl.extra_s for tpl in templates for q in tpl.frontier])
     b = np.array([q.bottleneck_s for tpl in templates for q in tpl.frontier])
-    lb = np.array([bound_fill_s(q.stage_s) for tpl in templates for q in tpl.frontier])
+    lb = np.array([bound_fill_s(q.stage_s, v) for tpl in templates for q in tpl.frontier])
     bound = (c, lb, b)
     slack = float(np.max(f - lb))
     if len(keys) > 1:  # drop variants another beats on resources, fill and bottleneck
@@ -148,6 +151,7 @@ def build_plan(
         part = best_on_frontier(list(templates[keys[v][0]].frontier), m)
         stages = tuple(Stage(part.layers[j], devices[(r, j)]) for j in range(len(seqs[r])))
         pipelines.append(Pipeline(m * knobs.micro_batch, stages))
+    sp = knobs.sequence_parallel
     return Plan(
         global_batch_size=global_batch,
         micro_batch_size=knobs.micro_batch,
@@ -155,6 +159,8 @@ def build_plan(
         precision=knobs.precision,
         recompute=knobs.recompute,
         zero_stage=knobs.zero_stage,
-        sequence_parallel=any(s.tp > 1 for p in pipelines for s in p.stages),
+        schedule=knobs.schedule,
+        virtual_stages=knobs.virtual_stages,
+        sequence_parallel=any(s.tp > 1 for p in pipelines for s in p.stages) if sp is None else sp,
         flash_attention=knobs.flash_attention,
     )

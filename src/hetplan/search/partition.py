@@ -173,23 +173,36 @@ def best_on_frontier(frontier: list[Partition], micro_batches: int) -> Partition
     return min(frontier, key=lambda q: q.time_s(micro_batches))
 
 
-def split_batch(fill_s: list[float], bottleneck_s: list[float], total: int) -> list[int] | None:
+def split_batch(
+    fill_s: list[float],
+    bottleneck_s: list[float],
+    total: int,
+    steps: list[int] | None = None,
+) -> list[int] | None:
     """Returns micro-batches per pipeline (each >= 1, summing to ``total``) minimising the
     slowest ``fill + (m-1) * bottleneck``; None if there are more pipelines than units.
+    With ``steps``, pipeline i runs a positive multiple of ``steps[i]`` (interleaved
+    schedules: of its stages); None when no such split sums to ``total``.
 
-    Greedy on the time after one more unit; exact for this min-max of increasing terms.
+    Greedy on the time after one more unit; exact for this min-max of increasing terms
+    when every step is 1 (with steps, a heuristic that may miss an exact total).
     """
     n = len(fill_s)
-    if n == 0 or total < n:
+    step = steps or [1] * n
+    if n == 0 or total < sum(step):
         return None
-    counts = [1] * n
-    heap = [(fill_s[i] + bottleneck_s[i], i) for i in range(n)]
+    counts = list(step)
+    left = total - sum(step)
+    heap = [(fill_s[i] + (counts[i] + step[i] - 1) * bottleneck_s[i], i) for i in range(n)]
     heapq.heapify(heap)
-    for _ in range(total - n):
+    while left and heap:
         _, i = heapq.heappop(heap)
-        counts[i] += 1
-        heapq.heappush(heap, (fill_s[i] + counts[i] * bottleneck_s[i], i))
-    return counts
+        if step[i] > left:  # never fits again: what is left only shrinks
+            continue
+        counts[i] += step[i]
+        left -= step[i]
+        heapq.heappush(heap, (fill_s[i] + (counts[i] + step[i] - 1) * bottleneck_s[i], i))
+    return None if left else counts
 
 
 def split_time_s(fill_s: list[float], bottleneck_s: list[float], counts: list[int]) -> float:
