@@ -105,3 +105,22 @@ def test_pipeline_sends_share_the_node_link_among_all_senders():
     est = estimate(plan, model, cluster, params)
     act = 512 * 1024 * 2
     assert est.stages[0].send_s == pytest.approx(act / (node.network_bytes_per_s / 8))
+
+
+def test_interleaved_chunks_carry_the_embedding_and_head_where_they_live():
+    # 2 stages x 2 chunks: the first stage's chunk 0 runs the embedding, the last stage's
+    # chunk 1 the head; the other chunks hold layers only
+    from hetplan.cost.params import default_params
+
+    cluster = parse_inline_cluster("A100-80GB:1x2")
+    model = ModelSpec("m", "gpt", 4, 1024, 8, 8, 4096, 50000, 512)
+    plan = uniform_plan(cluster, 4, 1, 2, 1, 1, 4, precision="bf16",
+                        schedule="Interleaved1F1B", virtual_stages=2)  # fmt: skip
+    params = default_params()
+    est = estimate(plan, model, cluster, params, record=True)
+    gpu = cluster.nodes[0].gpu
+    emb = params.compute.embedding(model, gpu, params, 1, 1, "bf16").times.forward_s
+    head = params.compute.head(model, gpu, params, 1, 1, "bf16").times.forward_s
+    dur = {(s, k, c): end - start for s, k, mb, c, start, end in est.replays[0].events if mb == 0}
+    assert dur[(0, "F", 0)] - dur[(0, "F", 1)] == pytest.approx(emb)
+    assert dur[(1, "F", 1)] - dur[(1, "F", 0)] == pytest.approx(head)

@@ -212,6 +212,33 @@ def stage_times(
     return fwd, bwd, rc, tp_comm, overhead, combine_sources(sources)
 
 
+def _part_split(
+    plan: Plan,
+    model: ModelSpec,
+    gpu: GPUType,
+    tp: int,
+    first: bool,
+    last: bool,
+    params: CostParams,
+) -> tuple[float, float, float, float]:
+    """Returns the embedding's and the head's forward and backward times per micro-batch of a
+    stage that holds them (zero for the part it does not hold)."""
+    src, mb, prec, flash = (
+        params.compute,
+        plan.micro_batch_size,
+        plan.precision,
+        plan.flash_attention,
+    )
+    ef = eb = hf = hb = 0.0
+    if first:
+        et = src.embedding(model, gpu, params, tp, mb, prec, flash).times
+        ef, eb = et.forward_s, et.backward_s
+    if last:
+        ht = src.head(model, gpu, params, tp, mb, prec, flash).times
+        hf, hb = ht.forward_s, ht.backward_s
+    return ef, eb, hf, hb
+
+
 def p2p_wait_s(sends: list[float], j: int, v: int, exposed: float) -> float:
     """Returns the time stage ``j`` of a pipeline (``sends[k]``: one transfer from stage k to
     k+1, wrapping for interleaved chunks) spends blocked in its own transfers per
@@ -506,16 +533,22 @@ def estimate(
             st.p2p_wait_s = p2p_wait_s(
                 [x.send_s for x in row], j, v, params.gpu(st.gpu).p2p_exposed
             )
-        # chunk times: layers split evenly over v chunks; embedding on chunk 0, head on v-1
-        fwd_c = [[(st.forward_s + st.p2p_wait_s / 2) / v] * v for st in row]
-        bwd_c = [
-            [
-                (st.backward_s + st.recompute_s + st.tp_comm_s + st.zero_comm_s + st.p2p_wait_s / 2)
-                / v
-            ]
-            * v
-            for st in row
-        ]
+        # chunk times: layers split evenly over v chunks; the embedding runs on chunk 0 of the
+        # first stage and the head on chunk v-1 of the last
+        fwd_c, bwd_c = [], []
+        for j, st in enumerate(row):
+            ef = eb = hf = hb = 0.0
+            if v > 1 and (j == 0 or j == p - 1):
+                gpu = node_of(st.devices[0]).gpu
+                ef, eb, hf, hb = _part_split(plan, model, gpu, len(st.devices), j == 0,
+                                             j == p - 1, params)  # fmt: skip
+            f = (st.forward_s - ef - hf + st.p2p_wait_s / 2) / v
+            b = (st.backward_s + st.recompute_s + st.tp_comm_s + st.zero_comm_s - eb - hb
+                 + st.p2p_wait_s / 2) / v  # fmt: skip
+            fwd_c.append([f + (ef if c == 0 else 0.0) + (hf if c == v - 1 else 0.0)
+                          for c in range(v)])  # fmt: skip
+            bwd_c.append([b + (eb if c == 0 else 0.0) + (hb if c == v - 1 else 0.0)
+                          for c in range(v)])  # fmt: skip
         sends = [st.send_s for st in row]
         sig = (
             plan.schedule,
