@@ -415,8 +415,12 @@ def estimate(
     profile: LayerTimeSource | None = None,
     record: bool = False,
     validate: bool = True,
+    layout: SyncLayout | None = None,
 ) -> Estimate:
-    """Returns the predicted iteration time, memory, throughput and price of ``plan``."""
+    """Returns the predicted iteration time, memory, throughput and price of ``plan``.
+
+    ``layout``: the plan's ``sync_layout`` when the caller already has it (it depends on
+    the pipelines' devices and layers only; searches reuse one per device layout)."""
     if validate:
         validate_plan(plan, model, cluster)
     params = params or default_params()
@@ -432,7 +436,9 @@ def estimate(
 
     dp = plan.dp
     v = plan.virtual_stages
-    layout = sync_layout(plan, model, node_of)
+    if layout is None:
+        layout = sync_layout(plan, model, node_of)
+    act_memo: dict[tuple[int, int, bool, bool, int], float] = {}
     groups = layout.groups
     concurrency, dp_members = layout.concurrency, layout.dp_members
     gather_memo: dict[tuple[Any, ...], tuple[float, float]] = {}
@@ -484,20 +490,14 @@ def estimate(
             if plan.zero_stage == 3 and dp > 1:
                 w += zero3_working_bytes(model, stage.tp, plan.precision)
             units = peak_in_flight(plan.schedule, p, m, v, j)
-            acts = stage_activation_bytes(
-                model,
-                stage.layers,
-                stage.tp,
-                plan.micro_batch_size,
-                plan.sequence_parallel,
-                plan.recompute,
-                plan.flash_attention,
-                first,
-                last,
-                units,
-                v,
-                plan.precision,
-            )
+            akey = (stage.tp, stage.layers, first, last, units)
+            acts = act_memo.get(akey, -1.0)
+            if acts < 0:
+                acts = act_memo[akey] = stage_activation_bytes(
+                    model, stage.layers, stage.tp, plan.micro_batch_size,
+                    plan.sequence_parallel, plan.recompute, plan.flash_attention, first, last,
+                    units, v, plan.precision,
+                )  # fmt: skip
             mem = MemoryBreakdown(w, g, o, acts, params.memory_reserve_bytes)
             eff = params.gpu(node.gpu.name)
             shards = dp if plan.zero_stage >= 1 else 1

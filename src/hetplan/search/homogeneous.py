@@ -156,7 +156,7 @@ class _Layout:
     holds: list[list[int]]
     """Per stage of pipeline 0: the indices of the sync groups (layer segments) it holds."""
     sync_s: dict[int, list[float]] = field(default_factory=dict)
-    """Per ZeRO stage: each sync group's reduction time."""
+    """Per ZeRO stage: per stage of pipeline 0, the gradient reduction no overlap hides."""
 
 
 class SearchMemo:
@@ -273,6 +273,23 @@ class _Scorer:
             overlap_tp_comm=sp.overlap_tp_comm,
         )
 
+    def _exposed(self, lay: _Layout, plan: Plan) -> list[float]:
+        """Returns, per stage of pipeline 0, the least gradient reduction no overlap hides
+        (an unbounded overlap window) under the plan's ZeRO stage."""
+        sync_s = grad_sync_times(lay.sync, plan, self.params)
+        out = []
+        for j, node in enumerate(lay.nodes):
+            share = self.params.gpu(node.gpu.name).grad_overlap
+            exposed = 0.0
+            for g in lay.holds[j]:
+                n_params, holders = lay.sync.groups[g]
+                tp_min = min(lay.plan.pipelines[r].stages[i].tp for r, i in holders)
+                buckets = bucket_count(n_params / tp_min, len(holders))
+                exposed += exposed_sync_s(sync_s[g], math.inf, share,
+                                          self.space.overlap_grad_reduce, buckets)  # fmt: skip
+            out.append(exposed)
+        return out
+
     def bound_s(self, c: Candidate) -> float:
         """Returns a lower bound of estimate()'s iteration time of the candidate's plan.
 
@@ -289,9 +306,9 @@ class _Scorer:
         m = self.global_batch // c.dp // c.micro_batch
         p = c.pp
         shards = c.dp if c.zero_stage >= 1 else 1
-        sync_s = lay.sync_s.get(c.zero_stage)
-        if sync_s is None:
-            sync_s = lay.sync_s[c.zero_stage] = grad_sync_times(lay.sync, plan, params)
+        exposed_by_stage = lay.sync_s.get(c.zero_stage)
+        if exposed_by_stage is None:
+            exposed_by_stage = lay.sync_s[c.zero_stage] = self._exposed(lay, plan)
         starts, tails, busy, ends = 0.0, 0.0, [], []
         f_acc = b_acc = 0.0
         for j, node in enumerate(lay.nodes):
@@ -315,14 +332,7 @@ class _Scorer:
                     model, node.gpu, params.gpu(node.gpu.name), c.tp, self.precision, pieces,
                     p_local, shards,
                 )[0]  # fmt: skip
-            share = params.gpu(node.gpu.name).grad_overlap
-            exposed = 0.0
-            for g in lay.holds[j]:
-                n_params, holders = lay.sync.groups[g]
-                tp_min = min(lay.plan.pipelines[r].stages[i].tp for r, i in holders)
-                buckets = bucket_count(n_params / tp_min, len(holders))
-                exposed += exposed_sync_s(sync_s[g], math.inf, share,
-                                          self.space.overlap_grad_reduce, buckets)  # fmt: skip
+            exposed = exposed_by_stage[j]
             own = f_acc + m * (fwd + bwd + rc + tpc)
             busy.append(own + exposed + opt)
             ends.append(own + b_acc)
@@ -354,6 +364,7 @@ def score_candidates(
     space: SearchSpace | None = None,
     flash_attention: bool = True,
     memo: SearchMemo | None = None,
+    scorer: _Scorer | None = None,
 ) -> Scored:
     """Returns every fitting candidate with a lower bound of its estimate() time, smallest
     first (no estimate). ``memo`` may be shared by calls on clusters of the same node type."""
@@ -370,8 +381,9 @@ def score_candidates(
     scored: list[tuple[float, tuple[object, ...], Candidate]] = []
     count = 0
     min_mem = math.inf
-    scorer = _Scorer(model, cluster, precision, global_batch, params, flash_attention,
-                     memo or SearchMemo(), space)  # fmt: skip
+    if scorer is None:
+        scorer = _Scorer(model, cluster, precision, global_batch, params, flash_attention,
+                         memo or SearchMemo(), space)  # fmt: skip
     for c in enumerate_candidates(model, n, gpn, global_batch, space):
         count += 1
         peak = scorer.peak_bytes(c)
@@ -402,17 +414,20 @@ def search_homogeneous(
     could rank in the top k is skipped."""
     params = params or default_params()
     space = space or SearchSpace()
+    scorer = _Scorer(model, cluster, precision, global_batch, params, flash_attention,
+                     memo or SearchMemo(), space)  # fmt: skip
     sc = score_candidates(model, cluster, global_batch, precision, params, space,
-                          flash_attention, memo)  # fmt: skip
+                          flash_attention, scorer=scorer)  # fmt: skip
     result = SearchResult([], sc.candidates, sc.fitting, sc.min_memory_bytes)
     ranked: list[tuple[float, tuple[object, ...], Plan, Estimate]] = []
     evaluated = 0
     for bound, c in sc.ranked:
         if len(ranked) >= top_k and bound > ranked[top_k - 1][0]:
             break
-        plan = candidate_plan(model, cluster, c, global_batch, precision, flash_attention,
-                              space.overlap_grad_reduce, space.overlap_tp_comm)  # fmt: skip
-        est = estimate(plan, model, cluster, params, validate=False)
+        # the candidate's plan on its layout's pipelines, whose sync layout is known
+        plan = scorer.knob_plan(c)
+        est = estimate(plan, model, cluster, params, validate=False,
+                       layout=scorer.layout(c).sync)  # fmt: skip
         evaluated += 1
         if est.fits:
             ranked.append((est.iteration_time_s, _tiebreak(c), plan, est))
