@@ -27,6 +27,7 @@ from rich.table import Table
 from hetplan.cost.calibrate import fit, in_sample, leave_one_out, load_runs, shipped_files
 from hetplan.cost.params import CostParams
 from hetplan.cost.runs import Run
+from hetplan.hardware import catalog_gpus
 
 SAILOR = Path(__file__).resolve().parents[1] / "src/hetplan/data/calibration/sailor_clariden_opt350"
 TARGET = "MAE <= 10%, every row <= 20%, Spearman >= 0.9 (>= 5 runs), first pick = best"
@@ -116,6 +117,9 @@ def main() -> None:
                     console.print(f"fitted {gpu}: {line}")
         console.print(summary)
         console.print(f"targets: in sample {TARGET}; cold LOO {LOO_TARGET}")
+        fitted_names = {g for p in fitted for g in p.gpus}
+        fallback = sorted({g.name for g in catalog_gpus()} - fitted_names)
+        console.print(f"fall back to default terms (no measured run): {', '.join(fallback)}")
         if args.write:
             base, gh = fitted
             merged = base

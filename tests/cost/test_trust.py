@@ -72,3 +72,20 @@ def test_precision_peak_is_reported():
     plan = uniform_plan(cluster, 24, 1, 1, 8, 1, 64, precision="tf32")
     est = estimate(plan, load_model("gpt3-1.3b"), cluster, _params())
     assert "156" in est.peak_used["A100-80GB"]  # the datasheet's dense TF32 rate
+
+
+def test_mfu_guard_compares_with_the_best_measured_at_the_plans_precision():
+    # runs at fp16 reached 0.9 MFU, runs at tf32 only 0.05: a tf32 plan is held to the latter
+    cluster = parse_inline_cluster("A100-80GB:1x8")
+    cov = {**COVERAGE["A100-80GB"], "precision": ["fp16", "tf32"], "best_mfu": 0.9,
+           "best_mfu_by_precision": {"fp16": 0.9, "tf32": 0.05}}  # fmt: skip
+    params = CostParams(gpus={"A100-80GB": GPUEfficiency()},
+                        fit_report={"coverage": {"A100-80GB": cov}})  # fmt: skip
+    model = load_model("gpt3-1.3b")
+    tf32 = estimate(uniform_plan(cluster, 24, 1, 1, 8, 1, 64, precision="tf32"), model,
+                    cluster, params)  # fmt: skip
+    fp16 = estimate(uniform_plan(cluster, 24, 1, 1, 8, 1, 64, precision="fp16"), model,
+                    cluster, params)  # fmt: skip
+    assert 0.05 * 1.02 < tf32.mfu and fp16.mfu < 0.9
+    assert any("above the best measured" in w for w in tf32.warnings)
+    assert not any("above the best measured" in w for w in fp16.warnings)

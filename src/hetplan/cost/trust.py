@@ -3,7 +3,7 @@ an estimate carries when it leaves that ground (never silent).
 
 Coverage is recorded per GPU type by ``calibrate`` (``CostParams.fit_report["coverage"]``)
 from the measured runs it fitted: the parallel degrees, ZeRO stages, precisions and
-scale they span, and the best MFU any of them reached.
+scale they span, and the best MFU any of them reached (overall and per precision).
 """
 
 from __future__ import annotations
@@ -43,6 +43,12 @@ def add_coverage(cov: dict[str, Any], plan: Plan, measured_mfu: float) -> dict[s
         "precision": sorted(set(cov.get("precision", [])) | {r["precision"]}),
         "max_gpus": max(cov.get("max_gpus", 0), r["gpus"]),
         "best_mfu": max(cov.get("best_mfu", 0.0), measured_mfu),
+        "best_mfu_by_precision": {
+            **cov.get("best_mfu_by_precision", {}),
+            r["precision"]: max(
+                cov.get("best_mfu_by_precision", {}).get(r["precision"], 0.0), measured_mfu
+            ),
+        },
         "runs": cov.get("runs", 0) + 1,
     }
 
@@ -79,10 +85,17 @@ def warnings_for(plan: Plan, est: Estimate, cluster: Cluster, params: CostParams
             gaps.append(f"{regime['gpus']} GPUs (runs reach {cov['max_gpus']})")
         if gaps:
             out.append(f"outside the calibrated regime of {name}: " + "; ".join(gaps))
-    best = max((coverage[g]["best_mfu"] for g in gpus if g in coverage), default=best_any)
+    # the best measured at the plan's precision where runs used it, else at any precision
+    prec = plan.precision
+    best = max((_best_mfu(coverage[g], prec) for g in gpus if g in coverage), default=best_any)
     if best > 0 and est.mfu > best * MFU_SLACK:
         out.append(
             f"predicted MFU {est.mfu:.2f} is above the best measured on these GPUs "
             f"({best:.2f}): treat as optimistic"
         )
     return out
+
+
+def _best_mfu(cov: dict[str, Any], precision: str) -> float:
+    by_precision: dict[str, float] = cov.get("best_mfu_by_precision", {})
+    return by_precision.get(precision, cov.get("best_mfu", 0.0))
