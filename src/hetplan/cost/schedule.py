@@ -73,6 +73,9 @@ class Replay:
     last_backward_end_s: list[float]
     busy_s: list[float]
     """Per stage: time spent computing."""
+    grads_ready_from_s: list[float]
+    """Per stage: when the earliest-finishing model chunk began its final backward, from which
+    on gradient buckets become ready (the last backward's start unless interleaved)."""
     events: list[tuple[int, str, int, int, float, float]] = field(default_factory=list)
     """(stage, kind, micro-batch, chunk, start, end) when recorded."""
 
@@ -122,6 +125,7 @@ def replay(
     busy = [0.0] * p
     last_b_start = [0.0] * p
     last_b_end = [0.0] * p
+    chunk_b_start = [[0.0] * v for _ in range(p)]  # start of each chunk's latest backward
     events: list[tuple[int, str, int, int, float, float]] = []
     remaining = sum(len(o) for o in program)
     sends = [*send_s, 0.0]  # index -1: no transfer
@@ -144,6 +148,7 @@ def replay(
                 dur = durs[is_b][c]
                 if is_b:
                     last_b_start[s] = t
+                    chunk_b_start[s][c] = t
                 if record:
                     events.append((s, "B" if is_b else "F", mb, c, t, t + dur))
                 t += dur
@@ -158,7 +163,8 @@ def replay(
         if not progressed:
             raise RuntimeError(f"schedule {schedule} deadlocked (p={p}, m={m}, v={v})")
         remaining -= progressed
-    return Replay(max(clock), last_b_start, last_b_end, busy, events)
+    ready_from = [min(starts) for starts in chunk_b_start]
+    return Replay(max(clock), last_b_start, last_b_end, busy, ready_from, events)
 
 
 EXACT_ACTION_LIMIT = 60_000
@@ -184,7 +190,7 @@ def pipeline_replay(
         # one stage runs its micro-batches back to back: nothing to simulate
         per = fwd_s[0][0] + bwd_s[0][0]
         end = m * per
-        return Replay(end, [end - bwd_s[0][0]], [end], [end])
+        return Replay(end, [end - bwd_s[0][0]], [end], [end], [end - bwd_s[0][0]])
     if 2 * p * m * v <= EXACT_ACTION_LIMIT or m <= 3 * p:
         return replay(schedule, m, v, fwd_s, bwd_s, send_s)
     m1 = max(8 * p, (EXACT_ACTION_LIMIT // (2 * p * v)) // p * p)
@@ -208,4 +214,5 @@ def pipeline_replay(
         ],
         [ext(a, b) for a, b in zip(r0.last_backward_end_s, r1.last_backward_end_s, strict=True)],
         [ext(a, b) for a, b in zip(r0.busy_s, r1.busy_s, strict=True)],
+        [ext(a, b) for a, b in zip(r0.grads_ready_from_s, r1.grads_ready_from_s, strict=True)],
     )
