@@ -89,3 +89,22 @@ def test_mfu_guard_compares_with_the_best_measured_at_the_plans_precision():
     assert 0.05 * 1.02 < tf32.mfu and fp16.mfu < 0.9
     assert any("above the best measured" in w for w in tf32.warnings)
     assert not any("above the best measured" in w for w in fp16.warnings)
+
+
+def test_mfu_guard_holds_a_large_plan_to_runs_of_its_scale():
+    # 8-GPU runs reached 0.9 MFU, 256-GPU runs 0.05: a 256-GPU plan is held to the latter,
+    # an 8-GPU plan to the former
+    cov = {**COVERAGE["A100-80GB"], "precision": ["fp16"], "best_mfu": 0.9, "max_gpus": 256,
+           "mfu_points": [[8, "fp16", 0.9], [256, "fp16", 0.05]]}  # fmt: skip
+    params = CostParams(gpus={"A100-80GB": GPUEfficiency()},
+                        fit_report={"coverage": {"A100-80GB": cov}})  # fmt: skip
+    model = load_model("gpt3-1.3b")
+    big = parse_inline_cluster("A100-80GB:32x8")
+    small = parse_inline_cluster("A100-80GB:1x8")
+    large = estimate(uniform_plan(big, 24, 1, 1, 256, 1, 256, precision="fp16"), model, big,
+                     params)  # fmt: skip
+    little = estimate(uniform_plan(small, 24, 1, 1, 8, 1, 64, precision="fp16"), model, small,
+                      params)  # fmt: skip
+    assert large.mfu > 0.05 * 1.02 and little.mfu < 0.9
+    assert any("above the best measured" in w for w in large.warnings)
+    assert not any("above the best measured" in w for w in little.warnings)

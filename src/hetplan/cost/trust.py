@@ -3,7 +3,8 @@ an estimate carries when it leaves that ground (never silent).
 
 Coverage is recorded per GPU type by ``calibrate`` (``CostParams.fit_report["coverage"]``)
 from the measured runs it fitted: the parallel degrees, ZeRO stages, precisions and
-scale they span, and the best MFU any of them reached (overall and per precision).
+scale they span, and the MFU each reached (with its GPU count and precision), so a
+prediction is held to the best measured at its own scale and precision.
 """
 
 from __future__ import annotations
@@ -49,6 +50,9 @@ def add_coverage(cov: dict[str, Any], plan: Plan, measured_mfu: float) -> dict[s
                 cov.get("best_mfu_by_precision", {}).get(r["precision"], 0.0), measured_mfu
             ),
         },
+        "mfu_points": sorted(
+            [*cov.get("mfu_points", []), [r["gpus"], r["precision"], round(measured_mfu, 4)]]
+        ),
         "runs": cov.get("runs", 0) + 1,
     }
 
@@ -85,17 +89,28 @@ def warnings_for(plan: Plan, est: Estimate, cluster: Cluster, params: CostParams
             gaps.append(f"{regime['gpus']} GPUs (runs reach {cov['max_gpus']})")
         if gaps:
             out.append(f"outside the calibrated regime of {name}: " + "; ".join(gaps))
-    # the best measured at the plan's precision where runs used it, else at any precision
-    prec = plan.precision
-    best = max((_best_mfu(coverage[g], prec) for g in gpus if g in coverage), default=best_any)
+    # the best measured at the plan's precision where runs used it, else at any precision;
+    # at the plan's scale where runs reached it (small jobs run at MFUs large ones never do)
+    prec, n = plan.precision, regime["gpus"]
+    best = max((_best_mfu(coverage[g], prec, n) for g in gpus if g in coverage),
+               default=best_any)  # fmt: skip
     if best > 0 and est.mfu > best * MFU_SLACK:
         out.append(
-            f"predicted MFU {est.mfu:.2f} is above the best measured on these GPUs "
-            f"({best:.2f}): treat as optimistic"
+            f"predicted MFU {est.mfu:.2f} is above the best measured on these GPUs at this "
+            f"scale and precision ({best:.2f}): treat as optimistic"
         )
     return out
 
 
-def _best_mfu(cov: dict[str, Any], precision: str) -> float:
+SCALE_FACTOR = 4
+"""Measured runs with at least 1/SCALE_FACTOR of a plan's GPUs count as its scale."""
+
+
+def _best_mfu(cov: dict[str, Any], precision: str, gpus: int) -> float:
+    """Returns the best measured MFU a plan of ``gpus`` GPUs at ``precision`` is held to."""
+    points = [(g, p, m) for g, p, m in cov.get("mfu_points", []) if g * SCALE_FACTOR >= gpus]
+    if points:
+        same = [m for _, p, m in points if p == precision]
+        return max(same or [m for _, _, m in points])
     by_precision: dict[str, float] = cov.get("best_mfu_by_precision", {})
     return by_precision.get(precision, cov.get("best_mfu", 0.0))
