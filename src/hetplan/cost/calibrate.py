@@ -135,6 +135,10 @@ TERMS = (
     Term("grad_overlap", "fraction", 0.0, 1.0, 0.7, False,
          "share of data-parallel traffic (gradient buckets, ZeRO-3 gathers and reduce-scatters) "
          "that runs concurrently with compute without slowing it"),
+    Term("intra_latency_s", "s per collective step", 1e-6, 2e-4, 10e-6, True,
+         "latency of one step of a collective or a send inside a node"),
+    Term("inter_latency_s", "s per collective step", 2e-6, 1e-3, 30e-6, True,
+         "latency of one step of a collective or a send between nodes"),
     Term("tp_overlap", "fraction", 0.0, 1.0, 0.5, False,
          "share of the tensor-parallel collectives hidden under the TP matmuls when overlapped"),
 )  # fmt: skip

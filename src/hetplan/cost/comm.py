@@ -31,7 +31,9 @@ def intra_node_allreduce_s(size_bytes: float, n: int, node: Node, params: CostPa
     if measured is not None:  # achieved: message bytes per second, latency included
         return size_bytes / measured
     bw = node.intra_node_bytes_per_s * params.link_efficiency_of(node.gpu.name)
-    return ring_allreduce_bytes(size_bytes, n) / bw + 2 * (n - 1) * params.intra_latency_s
+    return ring_allreduce_bytes(size_bytes, n) / bw + 2 * (n - 1) * params.intra_latency_of(
+        node.gpu.name
+    )
 
 
 def intra_node_allgather_s(size_bytes: float, n: int, node: Node, params: CostParams) -> float:
@@ -84,7 +86,7 @@ def group_allreduce_s(
             eff = params.network_efficiency_of(node.gpu.name)
             shares.append(node.network_bytes_per_s * eff / talkers)
     inter = ring_allreduce_bytes(shard, num_nodes) / min(shares)
-    latency = 2 * (num_nodes - 1) * params.inter_latency_s
+    latency = 2 * (num_nodes - 1) * max(params.inter_latency_of(n.gpu.name) for n in nodes.values())
     # NCCL pipelines chunks through the intra- and inter-node hops at once: the slower
     # phase sets the time, not their sum
     return volume * (max(intra, inter) + latency)
@@ -107,7 +109,9 @@ def p2p_s(
         if measured is not None:
             return size_bytes / measured
         eff = params.link_efficiency_of(src.gpu.name)
-        return size_bytes / (src.intra_node_bytes_per_s * eff) + params.intra_latency_s
+        return size_bytes / (src.intra_node_bytes_per_s * eff) + params.intra_latency_of(
+            src.gpu.name
+        )
     rates = []
     for node in (src, dst):
         measured = params.compute.network_bw(node.gpu.name, "inter", concurrency, size_bytes)
@@ -116,4 +120,6 @@ def p2p_s(
         else:
             rates.append(node.network_bytes_per_s * params.network_efficiency_of(node.gpu.name)
                          / concurrency)  # fmt: skip
-    return size_bytes / min(rates) + params.inter_latency_s
+    return size_bytes / min(rates) + max(
+        params.inter_latency_of(src.gpu.name), params.inter_latency_of(dst.gpu.name)
+    )

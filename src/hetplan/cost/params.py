@@ -45,6 +45,12 @@ class GPUEfficiency:
     """Fraction of the data-parallel gradient reduction that can run under the last backward
     pass when the plan overlaps it (compute and collectives share the GPU; the last bucket
     stays exposed regardless); 0 = fully exposed."""
+    intra_latency_s: float | None = None
+    """Latency of one step of a collective or a send inside a node (s); None: the global
+    CostParams.intra_latency_s."""
+    inter_latency_s: float | None = None
+    """Latency of one step of a collective or a send between nodes (s); None: the global
+    CostParams.inter_latency_s."""
     tp_overlap: float = 0.5
     """Fraction of the tensor-parallel collectives hidden under the TP matmuls when the plan
     overlaps them (Megatron-Core/Transformer Engine userbuffers, with sequence
@@ -64,6 +70,10 @@ class GPUEfficiency:
                 raise InputError(f"calibration.{name}", "must be >= 0")
         if not 0 <= self.p2p_exposed <= 1:
             raise InputError("calibration.p2p_exposed", "must lie in [0, 1]")
+        for name in ("intra_latency_s", "inter_latency_s"):
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                raise InputError(f"calibration.{name}", "must be >= 0")
         for name in ("grad_overlap", "tp_overlap"):
             if not 0 <= getattr(self, name) <= 1:
                 raise InputError(f"calibration.{name}", "must lie in [0, 1]")
@@ -114,6 +124,16 @@ class CostParams:
         """Returns the link efficiency on nodes of GPU type ``gpu_name``."""
         own = self.gpu(gpu_name).link_efficiency
         return self.link_efficiency if own is None else own
+
+    def intra_latency_of(self, gpu_name: str) -> float:
+        """Returns the per-step latency inside nodes of GPU type ``gpu_name``."""
+        own = self.gpu(gpu_name).intra_latency_s
+        return self.intra_latency_s if own is None else own
+
+    def inter_latency_of(self, gpu_name: str) -> float:
+        """Returns the per-step latency between nodes of GPU type ``gpu_name``."""
+        own = self.gpu(gpu_name).inter_latency_s
+        return self.inter_latency_s if own is None else own
 
     def network_efficiency_of(self, gpu_name: str) -> float:
         """Returns the network (between nodes) efficiency on nodes of GPU type ``gpu_name``."""
