@@ -18,9 +18,9 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from hetplan.cluster import Node
+from hetplan.cluster import Cluster, Node
 from hetplan.cost import comm
-from hetplan.cost.estimate import StageKey, p2p_wait_s, stage_times
+from hetplan.cost.estimate import StageKey, p2p_wait_s, pipeline_talkers, stage_times
 from hetplan.cost.memory import (
     stage_activation_bytes,
     stage_params,
@@ -29,6 +29,7 @@ from hetplan.cost.memory import (
 )
 from hetplan.cost.params import CostParams
 from hetplan.cost.schedule import EXACT_ACTION_LIMIT, peak_in_flight, replay
+from hetplan.hardware import GPUType
 from hetplan.model import ModelSpec
 from hetplan.plan import Plan, element_bytes
 from hetplan.search.grouping import DeviceClass
@@ -52,8 +53,8 @@ class Knobs:
     schedule: str = "1F1B"
     virtual_stages: int = 1
     sequence_parallel: bool | None = None
-    """None: memory is the least of on and off (they share their times; the plan that is
-    built gets the choice that fits, both being estimated)."""
+    """None: memory is the least of on and off (without overlapped TP collectives they
+    share their times; a plan built gets it on only where it must be to fit)."""
     zero_choices: tuple[int, ...] = ()
     """ZeRO stages whose least memory sets the caps (empty: ``zero_stage`` alone)."""
 
@@ -119,8 +120,9 @@ class ClassTable:
     node: Node | None = None
     peer: Node | None = None
     """Another node of the class (or a copy of ``node`` under another name)."""
-    _caps: dict[tuple[int, int], int] = field(default_factory=dict)
-    _times: dict[tuple[int, bool, bool], tuple[float, float]] = field(default_factory=dict)
+    _caps: dict[tuple[int, bool, bool, bool], int] = field(default_factory=dict)
+    _rows: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    _times: dict[tuple[int, bool, bool], tuple[float, ...]] = field(default_factory=dict)
 
     @property
     def pair_in_node(self) -> bool:
@@ -141,7 +143,21 @@ class ClassTable:
                 self.knobs.time_plan(), self.model, skey, node, self.params
             )
             hit = self._times[key] = (fwd, bwd + rc + tpc)
-        return hit
+        return hit  # type: ignore[return-value]
+
+    def parts(self, first: bool, last: bool) -> tuple[float, float, float, float]:
+        """Returns the embedding's and the head's forward and backward per micro-batch on a
+        stage that holds them (zero for a part it does not hold), from ``params.compute``:
+        an interleaved stage runs them on its first and its last chunk."""
+        key = (-1, first, last)
+        hit = self._times.get(key)
+        if hit is None:
+            assert self.params is not None
+            hit = self._times[key] = part_times(
+                self.knobs.time_plan(), self.model, self.cls.gpu, self.tp, first, last,
+                self.params,
+            )  # fmt: skip
+        return hit  # type: ignore[return-value]
 
     def stage_s(self, layers: int, first: bool, last: bool) -> float:
         """Returns a stage's forward plus backward side per micro-batch (no transfers)."""
@@ -193,42 +209,57 @@ class ClassTable:
             first, last, in_flight, k.virtual_stages, k.precision,
         )  # fmt: skip
 
+    def _choices(self) -> list[tuple[bool, int]]:
+        k = self.knobs
+        sps = (False, True) if k.sequence_parallel is None else (k.sequence_parallel,)
+        if self.tp == 1:
+            sps = sps[:1]
+        return [(sp, z) for sp in sps for z in (k.zero_choices or (k.zero_stage,))]
+
+    def _stage_bytes(self, layers: int, j: int, p: int, m: int, sp: bool, z: int) -> float:
+        k = self.knobs
+        first, last = j == 0, j == p - 1
+        units = peak_in_flight(k.schedule, p, m, k.virtual_stages, j)
+        acts = self.activation_bytes(layers, first, last, units, sp)
+        state = stage_state_bytes(self.model, layers, self.tp, first, last, p == 1, k.precision,
+                                  z, k.dp_assumed)  # fmt: skip
+        return state + acts + self.reserve_bytes
+
     def stage_bytes(self, layers: int, j: int, p: int, m: int = MANY) -> float:
         """Returns the peak bytes of a stage at position ``j`` of ``p`` holding ``layers``
         with ``m`` micro-batches (default: as many as the schedule keeps in flight), the
         least over the knobs' sequence-parallel and ZeRO choices."""
-        k = self.knobs
-        first, last = j == 0, j == p - 1
-        units = peak_in_flight(k.schedule, p, m, k.virtual_stages, j)
-        sps = (False, True) if k.sequence_parallel is None else (k.sequence_parallel,)
-        if self.tp == 1:
-            sps = sps[:1]
-        acts = min(self.activation_bytes(layers, first, last, units, sp) for sp in sps)
-        state = min(
-            stage_state_bytes(self.model, layers, self.tp, first, last, p == 1, k.precision, z,
-                              k.dp_assumed)  # fmt: skip
-            for z in (k.zero_choices or (k.zero_stage,))
-        )
-        return state + acts + self.reserve_bytes
+        return min(self._stage_bytes(layers, j, p, m, sp, z) for sp, z in self._choices())
+
+    def caps_row(self, p: int) -> tuple[int, ...]:
+        """Returns ``max_layers`` at every position of ``p`` stages."""
+        hit = self._rows.get(p)
+        if hit is None:
+            hit = self._rows[p] = tuple(self.max_layers(j, p) for j in range(p))
+        return hit
 
     def max_layers(self, j: int, p: int) -> int:
-        """Returns the most layers a stage at position ``j`` of ``p`` holds in memory."""
-        key = (j, p)
-        if key not in self._caps:
+        """Returns the most layers a stage at position ``j`` of ``p`` holds in memory (under
+        the choice that holds the most; memory is affine in the layers from one on)."""
+        k = self.knobs
+        units = peak_in_flight(k.schedule, p, MANY, k.virtual_stages, j)
+        key = (units, j == 0, j == p - 1, p == 1)
+        hit = self._caps.get(key)
+        if hit is None:
             cap = self.cls.gpu.memory_bytes
             top = self.model.layers
-            if self.stage_bytes(1, j, p) > cap:
-                self._caps[key] = 0
-            else:
-                lo, hi = 1, top  # memory grows with layers: bisect the most that fit
-                while lo < hi:
-                    mid = (lo + hi + 1) // 2
-                    if self.stage_bytes(mid, j, p) <= cap:
-                        lo = mid
-                    else:
-                        hi = mid - 1
-                self._caps[key] = lo
-        return self._caps[key]
+            most = 0
+            for sp, z in self._choices():
+                one = self._stage_bytes(1, j, p, MANY, sp, z)
+                if one > cap:
+                    continue
+                slope = self._stage_bytes(2, j, p, MANY, sp, z) - one
+                n = top if slope <= 0 else min(top, 1 + int((cap - one) // slope))
+                while n > 1 and self._stage_bytes(n, j, p, MANY, sp, z) > cap:
+                    n -= 1  # rounding
+                most = max(most, n)
+            hit = self._caps[key] = most
+        return int(hit)
 
 
 def class_table(
@@ -305,24 +336,17 @@ class StageArrays:
         self.p2p_exposed = np.array([t.p2p_exposed for t in tables])
         self.pair_in_node = np.array([t.pair_in_node for t in tables])
         n = len(tables)
-        # transfers between stages of two classes: inside a node where the same class
-        # holds two groups per node (as plans are laid out), else between nodes
-        self.hop = np.array(
-            [
-                [
-                    a.send_s(b, same_node=(i == k and a.pair_in_node))
-                    for k, b in enumerate(tables)
-                ]
-                for i, a in enumerate(tables)
-            ]
-        ).reshape(n, n)
+        # transfers between stages of two classes: the least the cluster allows (inside a
+        # node or between two), so that every split's times bound any placement's
+        self.hop = np.array([[a.min_send_s(b) for b in tables] for a in tables]).reshape(n, n)
         self._caps: dict[int, np.ndarray] = {}
+        self._wait_counts: dict[int, tuple[np.ndarray, np.ndarray]] = {}
 
     def caps(self, p: int) -> np.ndarray:
         """Returns the most units each class holds at each position of ``p`` stages."""
         if p not in self._caps:
-            rows = [[t.max_layers(j, p) // self.unit for j in range(p)] for t in self.tables]
-            self._caps[p] = np.array(rows, dtype=np.int64).reshape(len(self.tables), p)
+            rows = [t.caps_row(p) for t in self.tables]
+            self._caps[p] = np.array(rows, dtype=np.int64).reshape(len(self.tables), p) // self.unit
         return self._caps[p]
 
     def of(self, seq: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray, np.ndarray, float]:
@@ -334,11 +358,24 @@ class StageArrays:
         fixed[0] += self.embedding_s[k[0]]
         fixed[-1] += self.head_s[k[-1]]
         caps = self.caps(p)[k, np.arange(p)]
-        v = self.unit
-        sends = [float(self.hop[k[j], k[(j + 1) % p]]) for j in range(p)]
-        for j in range(p):
-            fixed[j] += p2p_wait_s(sends, j, v, float(self.p2p_exposed[k[j]]))
-        return tau, fixed, caps, 2.0 * float(sum(sends[: p - 1]))
+        hop = self.hop[k, np.append(k[1:], k[:1])]  # stage j to j+1, the last to the first
+        if p > 1:
+            # estimate.p2p_wait_s, vectorised: each chunk receives from the previous stage
+            # (not the very first chunk) and sends to the next (not the very last)
+            before, after = self._counts(p)
+            prev = np.append(hop[-1:], hop[:-1])
+            fixed += 2.0 * self.p2p_exposed[k] * (before * prev + after * hop)
+        return tau, fixed, caps, 2.0 * float(hop[: p - 1].sum())
+
+    def _counts(self, p: int) -> tuple[np.ndarray, np.ndarray]:
+        hit = self._wait_counts.get(p)
+        if hit is None:
+            before = np.full(p, float(self.unit))
+            before[0] -= 1
+            after = np.full(p, float(self.unit))
+            after[-1] -= 1
+            hit = self._wait_counts[p] = (before, after)
+        return hit
 
 
 def stage_arrays(
@@ -419,6 +456,47 @@ def compositions(
 # ------------------------------------------------------------------------- lower bounds
 
 
+def part_times(
+    plan: Plan,
+    model: ModelSpec,
+    gpu: GPUType,
+    tp: int,
+    first: bool,
+    last: bool,
+    params: CostParams,
+) -> tuple[float, float, float, float]:
+    """Returns (embedding forward, backward, head forward, backward) per micro-batch of a
+    stage holding them, zero for what it does not hold (``params.compute``)."""
+    src, mb, prec, flash = (params.compute, plan.micro_batch_size, plan.precision,
+                            plan.flash_attention)  # fmt: skip
+    ef = eb = hf = hb = 0.0
+    if first:
+        et = src.embedding(model, gpu, params, tp, mb, prec, flash).times
+        ef, eb = et.forward_s, et.backward_s
+    if last:
+        ht = src.head(model, gpu, params, tp, mb, prec, flash).times
+        hf, hb = ht.forward_s, ht.backward_s
+    return ef, eb, hf, hb
+
+
+def chunk_times(
+    fwd_s: float,
+    bwd_s: float,
+    wait_s: float,
+    v: int,
+    parts: tuple[float, float, float, float],
+) -> tuple[list[float], list[float]]:
+    """Returns one stage's forward and backward-side time per chunk as ``estimate`` replays
+    them: the layers (and half the transfer wait each way) split evenly over ``v``
+    chunks, the embedding on chunk 0 and the head on chunk v-1 (``parts``, when v > 1)."""
+    ef, eb, hf, hb = parts if v > 1 else (0.0, 0.0, 0.0, 0.0)
+    f = (fwd_s - ef - hf + wait_s / 2) / v
+    b = (bwd_s - eb - hb + wait_s / 2) / v
+    fc = [f + (ef if c == 0 else 0.0) + (hf if c == v - 1 else 0.0) for c in range(v)]
+    bc = [b + (eb if c == 0 else 0.0) + (hb if c == v - 1 else 0.0) for c in range(v)]
+    return fc, bc
+
+
 def replay_is_exact(p: int, m: int, v: int) -> bool:
     """Returns whether ``estimate`` replays a pipeline of this size action by action (its
     longer runs are extrapolated, where only the closed-form bound is proven)."""
@@ -428,43 +506,175 @@ def replay_is_exact(p: int, m: int, v: int) -> bool:
 def pipeline_bound_s(
     schedule: str,
     m: int,
-    v: int,
-    fwd_s: list[float],
-    bwd_s: list[float],
+    fwd_c: list[list[float]],
+    bwd_c: list[list[float]],
     send_s: list[float],
     opt_s: list[float],
 ) -> float:
     """Returns a lower bound of the latest ``last backward end + optimizer`` over one
-    pipeline's stages in ``estimate``, for any plan whose stages take at least ``fwd_s`` /
-    ``bwd_s`` per micro-batch (waits included), whose transfers take at least ``send_s``
-    (stage j to j+1, wrapping) and whose optimizer steps take at least ``opt_s``.
+    pipeline's stages in ``estimate``, for any plan whose stages' chunks take at least
+    ``fwd_c[j][c]`` / ``bwd_c[j][c]`` per micro-batch (waits included), whose transfers
+    take at least ``send_s`` (stage j to j+1, wrapping) and whose optimizer steps take at
+    least ``opt_s``.
 
     The replay is monotone in every duration, so replaying these times bounds
-    ``estimate``'s where it replays exactly. Otherwise, per stage j: its first forward
-    waits for the first chunk of every earlier stage and the transfers between them, it
-    then computes all its m (F + B), and after its last backward every earlier stage
-    still runs one backward chunk, transfers included, before stage 0 ends."""
-    p = len(fwd_s)
-    if replay_is_exact(p, m, v):
-        if p == 1 and v == 1:
-            ends = [m * (fwd_s[0] + bwd_s[0])]
-        else:
-            rep = replay(
-                schedule,
-                m,
-                v,
-                [[f / v] * v for f in fwd_s],
-                [[b / v] * v for b in bwd_s],
-                list(send_s),
-            )
-            ends = rep.last_backward_end_s
-        return max(e + o for e, o in zip(ends, opt_s, strict=True)) * (1.0 - 1e-9)
+    ``estimate``'s where it replays exactly. Otherwise (see ``closed_bound_s``) per stage
+    j: its first forward waits for chunk 0 of every earlier stage and the transfers
+    between them, it then computes all its m micro-batches, and after its last backward
+    (chunk 0 of the last micro-batch) every earlier stage still runs that chunk's
+    backward, transfers included, before stage 0 ends."""
+    p, v = len(fwd_c), len(fwd_c[0])
+    if not replay_is_exact(p, m, v):
+        return closed_bound_s(m, fwd_c, bwd_c, send_s, opt_s)
+    if p == 1 and v == 1:
+        ends = [m * (fwd_c[0][0] + bwd_c[0][0])]
+    else:
+        ends = replay(schedule, m, v, fwd_c, bwd_c, list(send_s)).last_backward_end_s
+    return max(e + o for e, o in zip(ends, opt_s, strict=True)) * (1.0 - 1e-9)
+
+
+def closed_bound_s(
+    m: int,
+    fwd_c: list[list[float]],
+    bwd_c: list[list[float]],
+    send_s: list[float],
+    opt_s: list[float],
+) -> float:
+    """Returns the closed-form bound of ``pipeline_bound_s`` (non-decreasing in ``m``)."""
     f_acc = b_acc = 0.0
     out = last = 0.0
-    for j in range(p):
-        own = f_acc + m * (fwd_s[j] + bwd_s[j])
+    for j in range(len(fwd_c)):
+        own = f_acc + m * (sum(fwd_c[j]) + sum(bwd_c[j]))
         out = max(out, own + opt_s[j])
         last = max(last, own + b_acc)
-        f_acc += fwd_s[j] / v + send_s[j]
-        b_acc += bwd_s[j] / v + send_s[j]
+        f_acc += fwd_c[j][0] + send_s[j]
+        b_acc += bwd_c[j][0] + send_s[j]
     return max(out, last + opt_s[0]) * (1.0 - 1e-9)
+
+
+class PlanBounds:
+    """Memory and a proven lower bound of ``estimate``'s iteration time for concrete plans
+    (devices placed), from ``estimate``'s own pieces; caches stage times, optimizer steps
+    and pipeline bounds across plans that share them (twins differing in ZeRO or sequence
+    parallelism share everything but memory and the optimizer's shards)."""
+
+    def __init__(self, model: ModelSpec, cluster: Cluster, params: CostParams) -> None:
+        self.model = model
+        self.cluster = cluster
+        self.params = params
+        self._nodes: dict[str, Node] = {}
+        self._stage: dict[tuple[object, ...], tuple[float, ...]] = {}
+        self._opt: dict[tuple[object, ...], float] = {}
+        self._pipe: dict[tuple[object, ...], float] = {}
+        self._plans: dict[tuple[object, ...], float] = {}
+
+    def node(self, device: str) -> Node:
+        """Returns the node of a device (memoized)."""
+        hit = self._nodes.get(device)
+        if hit is None:
+            hit = self._nodes[device] = self.cluster.device_node(device)
+        return hit
+
+    def fits(self, plan: Plan) -> tuple[bool, float]:
+        """Returns whether every stage fits, and the largest peak of a stage that does not
+        (0 when all fit): the sums ``estimate`` makes, from the same memory functions."""
+        model, dp = self.model, plan.dp
+        worst = 0.0
+        ok = True
+        for pipe in plan.pipelines:
+            p = len(pipe.stages)
+            m = plan.num_micro_batches(pipe)
+            for j, stage in enumerate(pipe.stages):
+                node = self.node(stage.devices[0])
+                first, last = j == 0, j == p - 1
+                state = stage_state_bytes(model, stage.layers, stage.tp, first, last, p == 1,
+                                          plan.precision, plan.zero_stage, dp)  # fmt: skip
+                units = peak_in_flight(plan.schedule, p, m, plan.virtual_stages, j)
+                acts = stage_activation_bytes(
+                    model, stage.layers, stage.tp, plan.micro_batch_size,
+                    plan.sequence_parallel, plan.recompute, plan.flash_attention, first, last,
+                    units, plan.virtual_stages, plan.precision,
+                )  # fmt: skip
+                total = state + acts + self.params.memory_reserve_bytes
+                if total > node.gpu.memory_bytes:
+                    ok = False
+                    worst = max(worst, total)
+        return ok, worst
+
+    def bound_s(self, plan: Plan, exact: bool = True) -> float:
+        """Returns a lower bound of ``estimate(plan).iteration_time_s``: per pipeline, the
+        replay (or its closed-form bound) of ``stage_times`` with the plan's transfers
+        (the node links shared as ``pipeline_talkers`` counts) and waits, each stage
+        ending with its optimizer step; gradient reduction and ZeRO-2/3's collectives
+        only add (left out). ``exact=False``: the closed-form bound alone (cheaper)."""
+        v = plan.virtual_stages
+        tk = (plan.micro_batch_size, plan.precision, plan.recompute, v, plan.flash_attention,
+              plan.overlap_tp_comm, plan.sequence_parallel)  # fmt: skip
+        shards = plan.dp if plan.zero_stage >= 1 else 1
+        # twins differing in the ZeRO stage alone share it (the optimizer's shards aside)
+        key = (plan.pipelines, plan.schedule, *tk, shards, exact)
+        hit = self._plans.get(key)
+        if hit is None:
+            hit = self._plans[key] = self._bound_s(plan, tk, shards, exact)
+        return hit
+
+    def _bound_s(self, plan: Plan, tk: tuple[object, ...], shards: int, exact: bool) -> float:
+        model, params = self.model, self.params
+        v = plan.virtual_stages
+        act = plan.micro_batch_size * model.seq * model.hidden * element_bytes(plan.precision)
+        talkers = pipeline_talkers(plan, self.node)
+        out = 0.0
+        for pipe in plan.pipelines:
+            p = len(pipe.stages)
+            m = plan.num_micro_batches(pipe)
+            nodes = [self.node(s.devices[0]) for s in pipe.stages]
+            fwd, bwd, opt, sends, parts = [], [], [], [], []
+            for j, stage in enumerate(pipe.stages):
+                node = nodes[j]
+                first, last = j == 0, j == p - 1
+                skey = (id(node), stage.tp, stage.layers, first, last, *tk)
+                fb = self._stage.get(skey)
+                if fb is None:
+                    key = StageKey(node.gpu, node.intra_node_bytes_per_s, stage.tp,
+                                   stage.layers, first, last, p == 1)  # fmt: skip
+                    f, b, rc, tpc, _, _ = stage_times(plan, model, key, node, params)
+                    split = part_times(plan, model, node.gpu, stage.tp, first, last, params)
+                    fb = self._stage[skey] = (f, b + rc + tpc, *split)
+                fwd.append(fb[0])
+                bwd.append(fb[1])
+                parts.append(fb[2:])
+                okey = (id(node.gpu), stage.tp, stage.layers, first, last, p == 1,
+                        plan.precision, shards)  # fmt: skip
+                o = self._opt.get(okey)
+                if o is None:
+                    p_local = stage_params(model, stage.layers, stage.tp, first, last, p == 1)
+                    pieces = [("layer", stage.layers), ("embed", int(first)), ("head", int(last))]
+                    o = self._opt[okey] = params.compute.optimizer_s(
+                        model, node.gpu, params.gpu(node.gpu.name), stage.tp, plan.precision,
+                        pieces, p_local, shards,
+                    )[0]  # fmt: skip
+                opt.append(o)
+                nxt = nodes[(j + 1) % p]
+                if p > 1:
+                    conc = max(talkers.get(node.name, 0), talkers.get(nxt.name, 0), stage.tp)
+                    sends.append(comm.p2p_s(act / stage.tp, node, nxt, params, conc))
+                else:
+                    sends.append(0.0)
+            fwd_c, bwd_c = [], []
+            for j in range(p):
+                w = p2p_wait_s(sends, j, v, params.gpu(nodes[j].gpu.name).p2p_exposed)
+                fc, bc = chunk_times(fwd[j], bwd[j], w, v, parts[j])  # type: ignore[arg-type]
+                fwd_c.append(fc)
+                bwd_c.append(bc)
+            if not exact:
+                out = max(out, closed_bound_s(m, fwd_c, bwd_c, sends, opt))
+                continue
+            pkey = (plan.schedule, m, tuple(map(tuple, fwd_c)), tuple(map(tuple, bwd_c)),
+                    tuple(sends), tuple(opt))  # fmt: skip
+            hit = self._pipe.get(pkey)
+            if hit is None:
+                hit = self._pipe[pkey] = pipeline_bound_s(
+                    plan.schedule, m, fwd_c, bwd_c, sends, opt
+                )
+            out = max(out, hit)
+        return out

@@ -3,6 +3,9 @@ selection of variants (stages mapped to tensor-parallel groups in node order).""
 
 from __future__ import annotations
 
+import itertools
+import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -164,3 +167,108 @@ def build_plan(
         sequence_parallel=any(s.tp > 1 for p in pipelines for s in p.stages) if sp is None else sp,
         flash_attention=knobs.flash_attention,
     )
+
+
+# ----------------------------------------------------------------- enumeration helpers
+
+
+def pipeline_shapes(avail: list[int], max_stages: int) -> list[tuple[int, ...]]:
+    """Returns every class sequence of one pipeline whose classes form contiguous blocks,
+    in any class order, using at most ``avail[k]`` groups of class k and ``max_stages``
+    stages."""
+    k = len(avail)
+    out: list[tuple[int, ...]] = []
+    for size in range(1, k + 1):
+        for order in itertools.permutations(range(k), size):
+            ranges = [range(1, min(avail[c], max_stages) + 1) for c in order]
+            for counts in itertools.product(*ranges):
+                if sum(counts) <= max_stages:
+                    out.append(tuple(c for c, n in zip(order, counts, strict=True)
+                                     for _ in range(n)))  # fmt: skip
+    return out
+
+
+def count_pipelines(avail: list[int], units: int) -> int:
+    """Returns how many (shape, split) pipelines ``pipeline_shapes`` and ``layer_splits``
+    give for ``units`` layer units, without listing them: per ordered set of classes, the
+    number of ways to give each a positive count, by total stage count, times the splits
+    of that many stages."""
+    k = len(avail)
+    total = 0
+    for size in range(1, k + 1):
+        for members in itertools.combinations(range(k), size):
+            ways = [1] + [0] * units  # ways[p]: counts over the members summing to p
+            for c in members:
+                nxt = [0] * (units + 1)
+                for p, w in enumerate(ways):
+                    if w:
+                        for n in range(1, min(avail[c], units - p) + 1):
+                            nxt[p + n] += w
+                ways = nxt
+            orders = math.factorial(size)
+            total += orders * sum(w * math.comb(units - 1, p - 1) for p, w in enumerate(ways) if p)
+    return total
+
+
+def layer_splits(layers: int, stages: int, unit: int = 1) -> list[tuple[int, ...]]:
+    """Returns every split of ``layers`` into ``stages`` contiguous positive parts, each a
+    multiple of ``unit``."""
+    if layers % unit:
+        return []
+    units = layers // unit
+    out = []
+    for cuts in itertools.combinations(range(1, units), stages - 1):
+        bounds = (0, *cuts, units)
+        out.append(tuple((b - a) * unit for a, b in itertools.pairwise(bounds)))
+    return out
+
+
+def _blocks(
+    items: list[tuple[int, int]], most_blocks: int, size: int
+) -> Iterator[list[list[tuple[int, int]]]]:
+    """Yields every partition of ``items`` into at most ``most_blocks`` unlabelled blocks of
+    at most ``size`` items (stages on interchangeable nodes)."""
+    blocks: list[list[tuple[int, int]]] = []
+
+    def rec(i: int) -> Iterator[list[list[tuple[int, int]]]]:
+        if i == len(items):
+            yield [list(b) for b in blocks]
+            return
+        for b in blocks:
+            if len(b) < size:
+                b.append(items[i])
+                yield from rec(i + 1)
+                b.pop()
+        if len(blocks) < most_blocks:
+            blocks.append([items[i]])
+            yield from rec(i + 1)
+            blocks.pop()
+
+    yield from rec(0)
+
+
+def placements(
+    tables: list[ClassTable], seqs: list[tuple[int, ...]]
+) -> Iterator[dict[tuple[int, int], tuple[str, ...]]]:
+    """Yields every placement of the pipelines' stages (``seqs[r][j]``: class of stage j of
+    pipeline r) on TP groups, up to the order of a class's interchangeable nodes and of
+    the groups inside a node: per (pipeline, stage), its devices."""
+    by_class: dict[int, list[tuple[int, int]]] = {}
+    for r, seq in enumerate(seqs):
+        for j, c in enumerate(seq):
+            by_class.setdefault(c, []).append((r, j))
+    keys = sorted(by_class)
+    options = []
+    for c in keys:
+        t = tables[c]
+        per_node = t.cls.gpus_per_node // t.tp
+        options.append(list(_blocks(by_class[c], len(t.cls.nodes), per_node)))
+    for choice in itertools.product(*options):
+        out: dict[tuple[int, int], tuple[str, ...]] = {}
+        for c, parts in zip(keys, choice, strict=True):
+            t = tables[c]
+            for node, block in zip(t.cls.nodes, parts, strict=False):
+                devs = node.devices()
+                for g, slot in enumerate(block):
+                    out[slot] = tuple(devs[g * t.tp : (g + 1) * t.tp])
+        yield out

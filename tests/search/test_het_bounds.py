@@ -1,0 +1,172 @@
+"""The heterogeneous search prunes only by lower bounds of ``estimate``: each bound it uses,
+against ``estimate`` itself, on random plans built here (not by the search)."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+
+from hetplan.cluster import parse_inline_cluster
+from hetplan.cost.estimate import estimate
+from hetplan.cost.params import default_params
+from hetplan.errors import InputError
+from hetplan.model import ModelSpec
+from hetplan.plan import Pipeline, Plan, Stage, validate_plan
+from hetplan.search import heterogeneous as het
+from hetplan.search.grouping import device_classes
+from hetplan.search.het_tables import Knobs, PlanBounds
+
+GPUS = ["A100-80GB", "A100-40GB", "V100-32GB", "V100-16GB", "T4", "A10", "L4"]
+
+
+def _random_case(rng: random.Random):
+    types = rng.sample(GPUS, rng.choice([2, 3]))
+    spec = ",".join(f"{t}:{rng.choice([1, 2])}x{rng.choice([1, 2, 4])}" for t in types)
+    layers = rng.choice([2, 3, 4, 6, 8])
+    hidden = rng.choice([1024, 2048, 4096])
+    model = ModelSpec("rand", rng.choice(["gpt", "llama"]), layers, hidden, 16, 16, 4 * hidden,
+                      rng.choice([8192, 32000, 50257]), rng.choice([512, 1024, 2048]))  # fmt: skip
+    return model, parse_inline_cluster(spec), rng.choice([4, 8, 16])
+
+
+def _split(rng: random.Random, total: int, parts: int) -> list[int]:
+    cuts = sorted(rng.sample(range(1, total), parts - 1))
+    return [b - a for a, b in itertools.pairwise([0, *cuts, total])]
+
+
+def _random_plan(rng: random.Random, model: ModelSpec, cluster, batch: int) -> Plan | None:
+    """A random plan of the heterogeneous space, devices placed at random."""
+    by_type: dict[str, list] = {}
+    for node in cluster.nodes:
+        by_type.setdefault(node.gpu.name, []).append(node)
+    tps = {t: rng.choice([d for d in (1, 2, 4) if nodes[0].gpus % d == 0])
+           for t, nodes in by_type.items()}  # fmt: skip
+    groups = {
+        t: [tuple(f"{n.name}:{i + g}" for g in range(tps[t]))
+            for n in nodes for i in range(0, n.gpus, tps[t])]
+        for t, nodes in by_type.items()
+    }  # fmt: skip
+    for g in groups.values():
+        rng.shuffle(g)
+    mb = rng.choice([1, 2, 4])
+    if batch % mb:
+        return None
+    total = batch // mb
+    d = rng.randint(1, min(3, total))
+    pipes = []
+    for m in _split(rng, total, d) if d > 1 else [total]:
+        order = rng.sample(sorted(groups), rng.randint(1, len(groups)))
+        seq = [t for t in order for _ in range(rng.randint(1, 2))]
+        if len(seq) > model.layers or any(seq.count(t) > len(groups[t]) for t in order):
+            return None
+        layers = _split(rng, model.layers, len(seq)) if len(seq) > 1 else [model.layers]
+        stages = tuple(Stage(x, groups[t].pop()) for t, x in zip(seq, layers, strict=True))
+        pipes.append(Pipeline(m * mb, stages))
+    sched, v = "1F1B", 1
+    options = [u for u in (2, 4) if all(s.layers % u == 0 for p in pipes for s in p.stages)
+               and all(len(p.stages) == 1 or (p.batch_size // mb) % len(p.stages) == 0
+                       for p in pipes)]  # fmt: skip
+    if options and rng.random() < 0.5:
+        sched, v = "Interleaved1F1B", rng.choice(options)
+    plan = Plan(
+        global_batch_size=batch,
+        micro_batch_size=mb,
+        pipelines=tuple(pipes),
+        precision="fp16",
+        recompute=rng.choice(["none", "selective", "full"]),
+        zero_stage=0 if d == 1 else rng.choice([0, 1, 2, 3]),
+        schedule=sched,
+        virtual_stages=v,
+        sequence_parallel=rng.random() < 0.5,
+    )
+    try:
+        validate_plan(plan, model, cluster)
+    except InputError:
+        return None
+    return plan
+
+
+def _plans(seed: int, want: int):
+    rng = random.Random(seed)
+    model, cluster, batch = _random_case(rng)
+    out = []
+    for _ in range(40 * want):
+        plan = _random_plan(rng, model, cluster, batch)
+        if plan is not None:
+            out.append(plan)
+        if len(out) == want:
+            break
+    return model, cluster, batch, out
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_plan_bounds_never_exceed_estimate(seed):
+    """The bound every candidate is queued and estimated by (replay of stage_times with
+    its transfers, or the closed form), and the memory check it is queued by."""
+    model, cluster, _, plans = _plans(seed, 25)
+    assert plans
+    params = default_params()
+    bounds = PlanBounds(model, cluster, params)
+    for plan in plans:
+        est = estimate(plan, model, cluster, params)
+        assert bounds.bound_s(plan) <= est.iteration_time_s
+        assert bounds.bound_s(plan, exact=False) <= est.iteration_time_s
+        assert bounds.fits(plan)[0] == est.fits
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_setting_bounds_never_exceed_estimate(seed):
+    """The throughput bounds that skip whole knob settings and bands of pipelines."""
+    model, cluster, batch, plans = _plans(seed, 25)
+    params = default_params()
+    classes = device_classes(cluster)
+    state = het._State(model, cluster, classes, batch, "fp16", params, True)
+    for plan in plans:
+        tp_of = {cluster.device_node(s.devices[0]).gpu.name: s.tp
+                 for p in plan.pipelines for s in p.stages}  # fmt: skip
+        tps = tuple(tp_of.get(c.gpu.name, 1) for c in classes)
+        knobs = Knobs(plan.micro_batch_size, plan.recompute, 0, 1, "fp16", True, plan.schedule,
+                      plan.virtual_stages)  # fmt: skip
+        t = estimate(plan, model, cluster, params).iteration_time_s
+        assert state.combo_bound_s(tps, knobs) <= t
+        assert state.band_bound_s(tps, knobs, plan.dp, plan.dp) <= t
+
+
+CASES = [
+    (4, 2048, "L4:1x1,T4:1x2", 8),
+    (4, 1024, "A100-40GB:1x2,V100-16GB:1x2", 8),
+    (3, 4096, "A10:1x1,T4:2x1", 4),
+    (4, 2048, "V100-32GB:1x2,A10:1x1,T4:1x1", 8),
+]
+
+
+@pytest.mark.parametrize(("layers", "hidden", "spec", "batch"), CASES)
+def test_enumeration_bounds_never_exceed_estimate(monkeypatch, layers, hidden, spec, batch):
+    """The enumeration's bound of a selection of pipelines (the least transfers the
+    cluster allows), against the estimate of every placement it goes on to estimate."""
+    pairs = []
+    place, evaluate = het._Enumeration.place, het._State.evaluate
+    current = {}
+
+    def recording_place(self, bound_s, *args):
+        current["bound"] = bound_s
+        try:
+            return place(self, bound_s, *args)
+        finally:
+            current.pop("bound")
+
+    def recording_evaluate(self, plan, origin=None):
+        est = evaluate(self, plan, origin)
+        if "bound" in current:
+            pairs.append((current["bound"], est.iteration_time_s))
+        return est
+
+    monkeypatch.setattr(het._Enumeration, "place", recording_place)
+    monkeypatch.setattr(het._State, "evaluate", recording_evaluate)
+    model = ModelSpec("m", "gpt", layers, hidden, 16, 16, 4 * hidden, 32000, 1024)
+    res = het.search_with(model, parse_inline_cluster(spec), batch, "fp16", 1, prune=True)
+    assert res.proven
+    assert pairs
+    assert all(low <= t for low, t in pairs)
