@@ -582,8 +582,7 @@ def estimate(
             continue
         end = max(replays[r].last_backward_end_s[j] for r, j in holders)
         window = min(
-            replays[r].last_backward_end_s[j] - replays[r].grads_ready_from_s[j]
-            for r, j in holders
+            replays[r].last_backward_end_s[j] - replays[r].grads_ready_from_s[j] for r, j in holders
         )
         share = min(params.gpu(by_pipe[r][j].gpu).grad_overlap for r, j in holders)
         tp_min = min(plan.pipelines[r].stages[j].tp for r, j in holders)
