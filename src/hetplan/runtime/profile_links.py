@@ -149,6 +149,8 @@ def _links_worker(rank: int, world: int, init: str, job: dict, out: str) -> None
 
     import torch.distributed as dist
 
+    from hetplan.runtime.teardown import leave_and_exit
+
     torch.set_num_threads(job["threads"])
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     try:
@@ -172,8 +174,10 @@ def _links_worker(rank: int, world: int, init: str, job: dict, out: str) -> None
         if rank == 0:
             res = {"p2p": p2p, "allreduce": ar, "pipeline": pipe, "tp_comm": comm, **compute}
             Path(out).write_text(json.dumps(res))
-    finally:
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    leave_and_exit(0)
 
 
 def profile_links(

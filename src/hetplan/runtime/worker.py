@@ -27,6 +27,7 @@ from hetplan.runtime.layout import EMBED, HEAD, RuntimeLayout, build_layout, dev
 from hetplan.runtime.model_torch import StageModel, init_params
 from hetplan.runtime.pipeline import build_schedule, make_loss_fn, run_step
 from hetplan.runtime.state import gather_unit, load_unit, make_optimizer, restore_unit, save_unit
+from hetplan.runtime.teardown import leave_and_exit
 
 log = logging.getLogger(__name__)
 
@@ -235,8 +236,10 @@ def main(argv: list[str] | None = None) -> None:
         record = train(cfg)
         if dist.get_rank() == 0 and cfg.result:
             ckpt.write_atomic(Path(cfg.result), json.dumps(record).encode())
-    finally:
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    leave_and_exit(0)
 
 
 __all__ = ["EMBED", "HEAD", "RunConfig", "Trainer", "main", "train"]

@@ -14,6 +14,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from hetplan.errors import InputError
+from hetplan.runtime.teardown import leave_and_exit
 from hetplan.spmd.capture import Captured, capture
 from hetplan.spmd.codegen import RankModule, build_rank_module, local_sizes, shard_inputs
 from hetplan.spmd.program import Program
@@ -95,8 +96,10 @@ def _equivalence_worker(
             if rank == 0:
                 queue.put((case["name"], loss, {k: v.numpy() for k, v in grads.items()}))
         dist.barrier()
-    finally:
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    leave_and_exit(0)
 
 
 def run_distributed(

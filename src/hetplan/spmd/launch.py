@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from hetplan.cluster import load_cluster
+from hetplan.runtime.teardown import leave_and_exit
 from hetplan.spmd import throttle
 from hetplan.spmd.capture import capture
 from hetplan.spmd.cli import _parse_kwargs
@@ -72,10 +73,10 @@ def main() -> None:
         ratios = ",".join(f"{r:.4f}" for r in program.ratios)
         steady = sorted(times[1:])[len(times[1:]) // 2]
         print(f"program {args.program} ratios {ratios} median step {steady:.4f} s", flush=True)
-    dist.destroy_process_group()
     if watcher is not None:
         watcher.terminate()
         watcher.wait(timeout=5)
+    leave_and_exit(0)
 
 
 if __name__ == "__main__":
