@@ -1,5 +1,6 @@
 """Baselines for a mixed cluster, scored by the same ``estimate``: the best plan on one GPU
-type alone, and the best Megatron-style uniform plan over every GPU."""
+type alone (the homogeneous search), and the best Megatron-style uniform plan over every
+GPU (every candidate that fits, in order of a proven bound, no finalist cap)."""
 
 from __future__ import annotations
 
@@ -11,8 +12,9 @@ from hetplan.cost.params import CostParams
 from hetplan.errors import InputError
 from hetplan.model import ModelSpec
 from hetplan.plan import Plan
+from hetplan.search.het_tables import PlanBounds
 from hetplan.search.homogeneous import divisors, search_homogeneous
-from hetplan.search.layout import even_layer_split, uniform_plan
+from hetplan.search.layout import uniform_plan
 
 Scored = tuple[Plan, Estimate]
 
@@ -57,18 +59,17 @@ def best_uniform(
     precision: str,
     params: CostParams,
     flash_attention: bool,
-    finalists: int = 12,
 ) -> Scored | None:
-    """Returns the fastest Megatron-style plan over all GPUs: equal layers and batch shares."""
+    """Returns the fastest Megatron-style plan over all GPUs: equal layers and batch shares.
+
+    Candidates that fit (the memory ``estimate`` sums) are estimated in order of a proven
+    lower bound of their time (``PlanBounds``) until the bound passes the best estimate."""
     if not all(n.gpu.supports(precision) for n in cluster.nodes):
         return None
     n_gpus = cluster.num_gpus
     gpn = math.gcd(*(n.gpus for n in cluster.nodes))
-    slowest = max(
-        cluster.nodes, key=lambda n: (1 / n.gpu.peak_flops(precision), -n.gpu.memory_bytes)
-    )
-    smallest = min(n.gpu.memory_bytes for n in cluster.nodes)
-    cands: list[tuple[float, Plan]] = []
+    bounds = PlanBounds(model, cluster, params)
+    cands: list[tuple[float, int, Plan]] = []
     for tp in divisors(gpn):
         if model.heads % tp or model.ffn % tp or (model.kv_heads % tp and tp % model.kv_heads):
             continue
@@ -79,7 +80,6 @@ def best_uniform(
             for mb in divisors(global_batch // dp):
                 if mb > 8:
                     continue
-                m = global_batch // dp // mb
                 for rc in ("none", "full"):
                     for zero in (0, 1) if dp > 1 else (0,):
                         plan = uniform_plan(
@@ -87,26 +87,14 @@ def best_uniform(
                             precision=precision, recompute=rc, zero_stage=zero,
                             sequence_parallel=tp > 1, flash_attention=flash_attention,
                         )  # fmt: skip
-                        if not _fits_roughly(model, plan, smallest, params):
-                            continue
-                        split = max(even_layer_split(model.layers, pp))
-                        work = (m + pp - 1) * split * (1.33 if rc == "full" else 1.0) * mb / tp
-                        speed = slowest.gpu.peak_flops(precision)
-                        cands.append((work / speed, plan))
-    cands.sort(key=lambda c: c[0])
+                        if bounds.fits(plan)[0]:
+                            cands.append((bounds.bound_s(plan, exact=False), len(cands), plan))
+    cands.sort(key=lambda c: (c[0], c[1]))
     best: Scored | None = None
-    for _, plan in cands[: finalists * 4]:
+    for bound, _, plan in cands:
+        if best is not None and bound >= best[1].iteration_time_s:
+            break
         est = estimate(plan, model, cluster, params, validate=False)
         if est.fits and (best is None or est.iteration_time_s < best[1].iteration_time_s):
             best = (plan, est)
     return best
-
-
-def _fits_roughly(model: ModelSpec, plan: Plan, capacity_bytes: float, params: CostParams) -> bool:
-    """Returns False when the plan's weights and optimizer state alone overflow the smallest
-    GPU (a quick filter; ``estimate`` decides the rest)."""
-    pipe = plan.pipelines[0]
-    worst = max(s.layers for s in pipe.stages) * model.layer_params() / pipe.stages[0].tp
-    worst += model.embedding_params() / pipe.stages[0].tp
-    per_param = 2 + 4 + 12 / (plan.dp if plan.zero_stage else 1)
-    return worst * per_param + params.memory_reserve_bytes <= capacity_bytes

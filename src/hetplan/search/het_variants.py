@@ -1,5 +1,6 @@
 """Pipeline templates of one setting, their non-dominated variants, and the plan of a
-selection of variants (stages mapped to tensor-parallel groups in node order)."""
+selection of variants (stages mapped to tensor-parallel groups in node order); and, for
+the exhaustive part of the search, every pipeline shape, layer split and placement."""
 
 from __future__ import annotations
 

@@ -375,7 +375,8 @@ class _State:
         recompute: tuple[str, ...],
         schedules: list[tuple[str, int]],
     ) -> list[tuple[float, tuple[int, ...], Knobs]]:
-        """Returns every knob setting with its throughput bound, smallest first."""
+        """Returns every knob setting with its lower bound (``combo_bound_s``), smallest
+        first."""
         out = []
         for tps in tp_list:
             for mb in mbs:
@@ -397,7 +398,7 @@ class _State:
         done: set[tuple[object, ...]] | None = None,
         zeros: tuple[tuple[int, ...], ...] = MULTI_ZERO[:1],
     ) -> None:
-        """Generates plans for knob settings in order of their throughput bound (settings
+        """Generates plans for knob settings in order of their lower bound (settings
         in ``done`` are skipped, and the visited ones added to it); ``zeros``: the memory
         settings of the multi-pipeline bands."""
         for bound_s, tps, knobs in self.combos(tp_list, mbs, recompute, schedules):
