@@ -30,10 +30,10 @@ def test_plan_inside_the_covered_regime_has_no_warning():
 
 def test_zero3_tp_and_scale_outside_the_runs_are_named():
     cluster = parse_inline_cluster("A100-80GB:32x8")
-    plan = uniform_plan(cluster, 24, 1, 1, 256, 1, 256, precision="bf16", zero_stage=3)
+    plan = uniform_plan(cluster, 24, 1, 1, 256, 1, 256, precision="tf32", zero_stage=3)
     est = estimate(plan, load_model("gpt3-1.3b"), cluster, _params(best_mfu=0.99))
     (warning,) = est.warnings
-    assert "ZeRO-3" in warning and "bf16" in warning and "256 GPUs" in warning
+    assert "ZeRO-3" in warning and "tf32" in warning and "256 GPUs" in warning
 
 
 def test_mfu_above_the_best_measured_is_flagged():
@@ -108,3 +108,20 @@ def test_mfu_guard_holds_a_large_plan_to_runs_of_its_scale():
     assert large.mfu > 0.05 * 1.02 and little.mfu < 0.9
     assert any("above the best measured" in w for w in large.warnings)
     assert not any("above the best measured" in w for w in little.warnings)
+
+
+def test_mfu_guard_pools_fp16_and_bf16():
+    # fp16 and bf16 share the tensor cores' peak: a bf16 run's 0.9 MFU covers an fp16 plan,
+    # and a bf16 plan is held to a low fp16 figure
+    cluster = parse_inline_cluster("A100-80GB:1x8")
+    model = load_model("gpt3-1.3b")
+    plan = uniform_plan(cluster, 24, 1, 1, 8, 1, 64, precision="fp16")
+    for measured, flagged in ((0.9, False), (0.05, True)):
+        cov = {**COVERAGE["A100-80GB"], "precision": ["bf16"], "best_mfu": measured,
+               "best_mfu_by_precision": {"bf16": measured}}  # fmt: skip
+        params = CostParams(gpus={"A100-80GB": GPUEfficiency()},
+                            fit_report={"coverage": {"A100-80GB": cov}})  # fmt: skip
+        est = estimate(plan, model, cluster, params)
+        assert 0.05 * 1.02 < est.mfu < 0.9
+        assert any("above the best measured" in w for w in est.warnings) is flagged
+        assert not any("runs use bf16" in w for w in est.warnings)

@@ -10,7 +10,9 @@ Three CSV formats are read (the format is recognised from the header):
   ``iter_time_s`` or ``tflops_per_gpu`` (model FLOPs); optional ``kv_heads`` (= heads),
   ``family`` (gpt), ``precision`` (bf16), ``recompute`` (none), ``schedule`` (1F1B),
   ``virtual_stages`` (1), ``flash_attention`` (true), ``sequence_parallel`` (false),
-  ``zero_stage`` (0), ``network_gbit_s`` (the GPU type's default), ``label``.
+  ``zero_stage`` (0), ``network_gbit_s`` (the GPU type's default), ``label``. A blank
+  ``micro_batch`` leaves it to the search (and, with a blank ``schedule``, plain or
+  interleaved 1F1B), for sources that do not state them.
 
 Each row becomes a :class:`Run`: model, cluster, a plan (or the knobs the search must
 choose, when the source leaves them out) and the measured value. Parameters are fitted
@@ -470,7 +472,12 @@ def leave_one_out(
 def shipped_files() -> list[Path]:
     """Returns the paths of the calibration CSVs shipped with the package."""
     root = Path(str(resources.files("hetplan.data").joinpath("calibration")))
-    names = ("megatron_homogeneous.csv", "amp_t4_homogeneous.csv", "sharded_dp_published.csv")
+    names = (
+        "megatron_homogeneous.csv",
+        "megatron_selective_published.csv",
+        "amp_t4_homogeneous.csv",
+        "sharded_dp_published.csv",
+    )
     return [root / name for name in names]
 
 

@@ -46,8 +46,13 @@ def layer_times(
     micro_batch: int,
     precision: str,
     flash_attention: bool,
+    sequence_parallel: bool = False,
 ) -> LayerTimes:
-    """Returns the compute times of one transformer layer for one micro-batch on one TP rank."""
+    """Returns the compute times of one transformer layer for one micro-batch on one TP rank.
+
+    With ``sequence_parallel`` the forward's norms, residual adds and hidden-state dropouts
+    run on the rank's 1/tp of the sequence (Korthikanti et al. 2022); without it every rank of
+    the TP group repeats them on the whole sequence."""
     peak = gpu.peak_flops(precision)
     s, h, kv, f, a, dh = (
         model.seq,
@@ -73,8 +78,10 @@ def layer_times(
     )
     # elementwise traffic (bytes), forward: norms, residuals, activation, dropout, rope
     drop = 1.0 if model.dropout else 0.0
-    elem = tokens * h * e * (2 * 2 + 2 * 3)  # two norms (r+w), two residual adds (2r+w)
-    elem += tokens * h * drop * 3 * (2 * e + 1)  # three dropouts: read, write, mask
+    # the region every TP rank repeats on the whole sequence (without sequence parallelism)
+    replicated = tokens * h * e * (2 * 2 + 2 * 3)  # two norms (r+w), two residual adds (2r+w)
+    replicated += tokens * h * drop * 3 * (2 * e + 1)  # three dropouts: read, write, mask
+    elem = 0.0
     if model.gated:
         elem += tokens * f / tp * e * 3  # silu(gate) * up: two reads, one write
     else:
@@ -93,9 +100,14 @@ def layer_times(
     mem_bw = gpu.hbm_bytes_per_s * eff.mem_efficiency
     kernels = 14 + (4 if model.dropout else 0) + (2 if model.gated else 0)
     launch = kernels * eff.kernel_overhead_s
-    fwd = fwd_gemm + attn_gemm + (elem + attn_elem) / mem_bw + launch
+    # sequence parallelism runs the forward's replicated region on 1/tp of the tokens; its
+    # backward gains about nothing: the split norms and dropouts are offset by gathering the
+    # column-parallel matmuls' inputs again for their weight gradients (measured per layer:
+    # forward 7.7 -> 7.2 ms, backward 11.9 -> 11.8 ms; Korthikanti et al. 2022)
+    split = tp if sequence_parallel else 1
+    fwd = fwd_gemm + attn_gemm + (elem + replicated / split + attn_elem) / mem_bw + launch
     # backward: two matmuls per forward matmul, about twice the elementwise traffic
-    bwd = 2 * (fwd_gemm + attn_gemm) + 2 * (elem + attn_elem) / mem_bw + 2 * launch
+    bwd = 2 * (fwd_gemm + attn_gemm) + 2 * (elem + replicated + attn_elem) / mem_bw + 2 * launch
     selective = attn_gemm + attn_elem / mem_bw
     return LayerTimes(fwd, bwd, selective)
 

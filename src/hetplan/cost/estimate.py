@@ -165,7 +165,9 @@ def stage_times(
     gpu, tp, mb, prec = key.gpu, key.tp, plan.micro_batch_size, plan.precision
     eff = params.gpu(gpu.name)
     src: ComputeSource = params.compute
-    layer = src.layer(model, gpu, params, tp, mb, prec, plan.flash_attention)
+    layer = src.layer(
+        model, gpu, params, tp, mb, prec, plan.flash_attention, plan.sequence_parallel
+    )
     lt = layer.times
     sources = [layer.source] if key.layers else []
     fwd = key.layers * lt.forward_s
@@ -286,7 +288,7 @@ def sharded_microbatch_s(
     def gather(n: float) -> float:  # all-gather of n parameters
         return comm.group_allreduce_s(n * e, group, params, concurrency, 0.5)
 
-    def scatter(n: float) -> float:  # reduce-scatter of n parameters' fp32 gradients
+    def scatter(n: float) -> float:  # reduce-scatter of n parameters' gradients
         return comm.group_allreduce_s(n * GRAD_BYTES, group, params, concurrency, 0.5)
 
     if plan.zero_stage == 3:
@@ -382,7 +384,9 @@ def sync_layout(plan: Plan, model: ModelSpec, node_of: Any) -> SyncLayout:
 
 
 GRAD_BYTES = 4.0
-"""Gradients are reduced in fp32."""
+"""Gradients are reduced in fp32. (fp16 runs of DeepSpeed and 2021 Megatron reduce fp16
+gradients by default; AMP's T4 trials, the fp16 runs with data parallelism in the shipped
+data, are ranked better with fp32 volumes, so 4 bytes stays.)"""
 
 
 def grad_sync_times(layout: SyncLayout, plan: Plan, params: CostParams) -> list[float]:
@@ -399,7 +403,10 @@ def grad_sync_times(layout: SyncLayout, plan: Plan, params: CostParams) -> list[
         out.append(
             max(
                 comm.group_allreduce_s(
-                    n_params * GRAD_BYTES / tp_min, members, params, layout.concurrency
+                    n_params * GRAD_BYTES / tp_min,
+                    members,
+                    params,
+                    layout.concurrency,
                 )
                 for members in per_rank
             )

@@ -228,21 +228,34 @@ def _generic_run(row: _Row, source: str) -> Run:
     cluster = _cluster(row.text("gpu"), row.integer("nodes"), row.integer("gpus_per_node"),
                        f"{net} Gbit/s" if net else None)  # fmt: skip
     zero = int(row.text("zero_stage", "0"))
-    plan = uniform_plan(
-        cluster, model.layers, row.integer("tp"), row.integer("pp"), row.integer("dp"),
-        row.integer("micro_batch"), row.integer("global_batch"),
-        precision=row.text("precision", "bf16"), recompute=row.text("recompute", "none"),
-        schedule=row.text("schedule", "1F1B"), virtual_stages=row.integer("virtual_stages", 1),
-        flash_attention=row.flag("flash_attention", True), zero_stage=zero,
-        sequence_parallel=row.flag("sequence_parallel", False),
-    )  # fmt: skip
+    tp, pp, dp = row.integer("tp"), row.integer("pp"), row.integer("dp")
+    precision, recompute = row.text("precision", "bf16"), row.text("recompute", "none")
+    flash, sp = row.flag("flash_attention", True), row.flag("sequence_parallel", False)
+    schedule = (row.data.get("schedule") or "").strip()
+    plan, knobs = None, None
+    if (row.data.get("micro_batch") or "").strip():
+        plan = uniform_plan(
+            cluster, model.layers, tp, pp, dp, row.integer("micro_batch"),
+            row.integer("global_batch"), precision=precision, recompute=recompute,
+            schedule=schedule or "1F1B", virtual_stages=row.integer("virtual_stages", 1),
+            flash_attention=flash, zero_stage=zero, sequence_parallel=sp,
+        )  # fmt: skip
+    else:
+        # the source does not say: the search picks the micro-batch (and, with no schedule
+        # given, plain or interleaved 1F1B and the chunk count), as for the Megatron rows
+        if schedule:
+            schedules: tuple[str, ...] = (schedule,)
+        else:
+            schedules = ("1F1B", "Interleaved1F1B") if pp > 1 else ("1F1B",)
+        knobs = Knobs(tp, pp, dp, row.integer("global_batch"), precision, flash, (recompute,),
+                      (zero,), sp, schedules, False)  # fmt: skip
     if (row.data.get("iter_time_s") or "").strip():
         metric, value = "iter_time_s", row.number("iter_time_s")
     elif (row.data.get("tflops_per_gpu") or "").strip():
         metric, value = "tflops_per_gpu", row.number("tflops_per_gpu")
     else:
         raise InputError("iter_time_s", f"{row.where}: give iter_time_s or tflops_per_gpu")
-    return Run(source, model.name, model, cluster, metric, value, plan)
+    return Run(source, model.name, model, cluster, metric, value, plan, knobs)
 
 
 _SAILOR_MODEL = "opt-350m"

@@ -224,17 +224,22 @@ class ComputeSource:
         mb: int,
         precision: str,
         flash: bool,
+        sequence_parallel: bool = False,
     ) -> Sourced:
-        """Returns one transformer layer's times for one micro-batch on one TP rank."""
+        """Returns one transformer layer's times for one micro-batch on one TP rank (with
+        ``sequence_parallel``, the sequence-split norms and dropouts of Megatron's SP)."""
+        sp = sequence_parallel and tp > 1
         eff = params.gpu(gpu.name)
         borrow = gpu.name not in params.gpus
-        key = ("layer", id(model), id(gpu), self._ident(eff), borrow, tp, mb, precision, flash)
+        key = ("layer", id(model), id(gpu), self._ident(eff), borrow, tp, mb, precision, flash,
+               sp)  # fmt: skip
         self._ident(model)
         self._ident(gpu)
         hit = self._memo.get(key)
         if hit is not None:
             return hit
         ana = layer_times(model, gpu, eff, tp, mb, precision, flash)
+        split = layer_times(model, gpu, eff, tp, mb, precision, flash, True) if sp else ana
         found = self._layer_lookup(gpu, model, tp, mb, precision)
         if found is not None:
             lt, kind = found
@@ -242,9 +247,15 @@ class ComputeSource:
             if lt.selective_recompute_s < 0:  # not profiled: the attention core, modelled
                 ratio = lt.forward_s / ana.forward_s if ana.forward_s > 0 else 1.0
                 lt = LayerTimes(lt.forward_s, lt.backward_s, ana.selective_recompute_s * ratio)
+            if sp:  # profiled without SP: scale by the modelled saving of the split region
+                lt = LayerTimes(
+                    lt.forward_s * split.forward_s / ana.forward_s,
+                    lt.backward_s * split.backward_s / ana.backward_s,
+                    lt.selective_recompute_s,
+                )
             out = Sourced(lt, kind)
         else:
-            out = self._modelled(ana, gpu, model, eff, precision, flash, borrow)
+            out = self._modelled(split, gpu, model, eff, precision, flash, borrow)
         self._memo[key] = out
         return out
 

@@ -83,7 +83,7 @@ def warnings_for(plan: Plan, est: Estimate, cluster: Cluster, params: CostParams
         if regime["zero"] not in cov["zero"]:
             stages = ", ".join(str(z) for z in cov["zero"])
             gaps.append(f"ZeRO-{regime['zero']} (runs use ZeRO {stages})")
-        if regime["precision"] not in cov["precision"]:
+        if _peak_class(regime["precision"]) not in {_peak_class(x) for x in cov["precision"]}:
             gaps.append(f"{regime['precision']} (runs use {', '.join(cov['precision'])})")
         if regime["gpus"] > 2 * cov["max_gpus"]:
             gaps.append(f"{regime['gpus']} GPUs (runs reach {cov['max_gpus']})")
@@ -110,7 +110,13 @@ def _best_mfu(cov: dict[str, Any], precision: str, gpus: int) -> float:
     """Returns the best measured MFU a plan of ``gpus`` GPUs at ``precision`` is held to."""
     points = [(g, p, m) for g, p, m in cov.get("mfu_points", []) if g * SCALE_FACTOR >= gpus]
     if points:
-        same = [m for _, p, m in points if p == precision]
+        same = [m for _, p, m in points if _peak_class(p) == _peak_class(precision)]
         return max(same or [m for _, _, m in points])
     by_precision: dict[str, float] = cov.get("best_mfu_by_precision", {})
-    return by_precision.get(precision, cov.get("best_mfu", 0.0))
+    pooled = [m for p, m in by_precision.items() if _peak_class(p) == _peak_class(precision)]
+    return max(pooled) if pooled else cov.get("best_mfu", 0.0)
+
+
+def _peak_class(precision: str) -> str:
+    """fp16 and bf16 run on the same tensor cores at the same peak: one class for MFU."""
+    return "16-bit" if precision in ("fp16", "bf16") else precision

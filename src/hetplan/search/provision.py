@@ -78,7 +78,8 @@ def best_compute_efficiency(
         best = 0.0
         for tp in divisors(gpus_per_node):
             for mb in (1, 2, 4, 8, 16, 32):
-                lt = src.layer(model, gpu, params, tp, mb, precision, flash).times
+                # sequence parallelism only removes work: the faster of the two bounds
+                lt = src.layer(model, gpu, params, tp, mb, precision, flash, tp > 1).times
                 layer_flops = 3 * mb * model.layer_flops() / tp
                 best = max(best, layer_flops / ((lt.forward_s + lt.backward_s) * peak))
                 ht = src.head(model, gpu, params, tp, mb, precision, flash).times
