@@ -53,8 +53,7 @@ class Knobs:
     schedule: str = "1F1B"
     virtual_stages: int = 1
     sequence_parallel: bool | None = None
-    """None: memory is the least of on and off (without overlapped TP collectives they
-    share their times; a plan built gets it on only where it must be to fit)."""
+    """None: either; times and memory are those of on (faster and smaller where TP > 1)."""
     zero_choices: tuple[int, ...] = ()
     """ZeRO stages whose least memory sets the caps (empty: ``zero_stage`` alone)."""
 
@@ -69,7 +68,8 @@ class Knobs:
             zero_stage=self.zero_stage,
             schedule=self.schedule,
             virtual_stages=self.virtual_stages,
-            sequence_parallel=bool(self.sequence_parallel),
+            # None (either): on, the faster (sequence parallelism only removes forward work)
+            sequence_parallel=self.sequence_parallel is not False,
             flash_attention=self.flash_attention,
         )
 

@@ -1,0 +1,404 @@
+"""Enumeration, the heterogeneous search's second pass (where the space is small enough
+for a work budget): every pipeline, layer split, selection, batch share, ZeRO stage and
+placement whose proven lower bound beats the best estimate so far is estimated, knob
+settings in order of their bound, selections in order of theirs. When it completes, the
+first plan is the best of the whole space."""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+import itertools
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from hetplan.cost.estimate import p2p_wait_s
+from hetplan.cost.schedule import peak_in_flight
+from hetplan.plan import RECOMPUTE, Pipeline, Plan, Stage
+from hetplan.search.het_generation import SearchState
+from hetplan.search.het_pool import CandidatePool
+from hetplan.search.het_space import (
+    MICRO_BATCHES,
+    pipeline_key,
+    schedule_options,
+    tp_options,
+    zero_choices,
+)
+from hetplan.search.het_tables import (
+    Knobs,
+    chunk_times,
+    closed_bound_s,
+    pipeline_bound_s,
+    stage_state_bytes,
+)
+from hetplan.search.het_variants import count_pipelines, layer_splits, pipeline_shapes, placements
+
+ENUMERATION_BUDGET = 5_000_000
+"""Work units the enumeration may spend before it gives up proving the first plan optimal
+(about a microsecond each: a step of the selection search; ``PIPE_UNITS`` a pipeline, 5 a
+placement, ``ESTIMATE_UNITS`` an estimate)."""
+ESTIMATE_UNITS = 300
+PIPE_UNITS = 2
+ENUMERATION_SPLITS = 20_000
+"""The most (shape, layer split) pipelines one knob setting may enumerate."""
+
+
+def enumerate_all(state: SearchState, budget: int = ENUMERATION_BUDGET) -> bool:
+    """Estimates every plan of the space whose lower bound beats the best estimate,
+    selections of pipelines in order of their bound; returns False (unproven) when the
+    work passes ``budget``."""
+    tp_list = list(itertools.product(*(tp_options(state.model, c) for c in state.classes)))
+    for tps in tp_list:  # too many pipelines to list: give up before any work
+        avail = [len(c.groups(t)) for c, t in zip(state.classes, tps, strict=True)]
+        if count_pipelines(avail, state.model.layers) > ENUMERATION_SPLITS:
+            return False
+    combos = state.combos(tp_list, MICRO_BATCHES, RECOMPUTE,
+                          schedule_options(state.model.layers))  # fmt: skip
+    work = _Budget(budget)
+    queue: list[tuple[float, int, Enumeration, tuple[tuple[int, int], ...], int, bool]]
+    queue = []
+    for bound_s, tps, knobs in combos:
+        if bound_s >= state.cutoff_s:
+            break
+        if not Enumeration(state, tps, knobs, work, queue).run():
+            return False
+    heapq.heapify(queue)
+    while queue and queue[0][0] < state.cutoff_s:
+        bound, _, enum, sel, z, sp = heapq.heappop(queue)
+        if not enum.place(bound, sel, z, sp):
+            return False
+    return True
+
+
+class _Budget:
+    """Work units left to the enumeration."""
+
+    def __init__(self, units: int) -> None:
+        self.left = units
+
+    def spend(self, units: int = 1) -> bool:
+        """Spends units; returns False once none are left."""
+        self.left -= units
+        return self.left >= 0
+
+
+@dataclass
+class _Pipe:
+    """One enumerated pipeline: class per stage, layers per stage, and its per-stage
+    times with the least transfers the cluster allows."""
+
+    classes: tuple[int, ...]
+    layers: tuple[int, ...]
+    counts: np.ndarray
+    fwd_c: list[list[float]]
+    bwd_c: list[list[float]]
+    """Per stage and chunk, forward and backward side per micro-batch (waits included)."""
+    sends: list[float]
+    state_floor: list[float]
+    """Per stage: the least weights, gradients and optimizer bytes of any ZeRO choice."""
+
+
+class Enumeration:
+    """Every plan of one knob setting (TP degrees, micro-batch, recomputation, schedule)
+    whose lower bound beats the best estimate, estimated; the ZeRO and sequence-parallel
+    choices and the placements are enumerated per selection of pipelines."""
+
+    def __init__(
+        self,
+        state: CandidatePool,
+        tps: tuple[int, ...],
+        knobs: Knobs,
+        work: _Budget,
+        queue: list[tuple[float, int, Enumeration, tuple[tuple[int, int], ...], int, bool]],
+    ):
+        self.s = state
+        self.queue = queue
+        self.tps = tps
+        self.knobs = knobs
+        self.work = work
+        self.tables = state.class_tables(tps, knobs)
+        self.total = state.global_batch // knobs.micro_batch
+        self.avail = np.array([t.groups for t in self.tables], dtype=np.int64)
+        self.most = int(min(self.avail.sum(), self.total))
+        self.pipes: list[_Pipe] = []
+        self.items: list[tuple[int, tuple[int, ...], list[tuple[int, float]]]] = []
+        self._cover: dict[tuple[int, ...], int] = {}
+        self._fit: dict[tuple[int, ...], list[int]] = {}
+        """Per vector of free TP groups: the items whose pipeline fits in them."""
+        self._opt: dict[tuple[object, ...], float] = {}
+        self._bound: dict[tuple[object, ...], float] = {}
+        self._acts: dict[tuple[object, ...], float] = {}
+
+    def opt_s(
+        self, k: int, layers: int, first: bool, last: bool, single: bool, shards: int
+    ) -> float:
+        key = (k, layers, first, last, single, shards)
+        hit = self._opt.get(key)
+        if hit is None:
+            hit = self._opt[key] = self.tables[k].optimizer_s(layers, first, last, single, shards)
+        return hit
+
+    def opts(self, pipe: _Pipe, shards: int) -> list[float]:
+        p = len(pipe.classes)
+        return [
+            self.opt_s(k, x, j == 0, j == p - 1, p == 1, shards)
+            for j, (k, x) in enumerate(zip(pipe.classes, pipe.layers, strict=True))
+        ]
+
+    def step(self, pipe: _Pipe) -> int:
+        """Returns the multiple a pipeline's micro-batches must be."""
+        p = len(pipe.classes)
+        return p if self.knobs.virtual_stages > 1 and p > 1 else 1
+
+    def fits(self, pipe: _Pipe, m: int, state: list[float], sps: tuple[bool, ...]) -> bool:
+        """Returns whether every stage fits with ``m`` micro-batches and these state bytes
+        under some sequence-parallel choice of ``sps``."""
+        k = self.knobs
+        p = len(pipe.classes)
+        for sp in sps:
+            ok = True
+            for j, (c, x) in enumerate(zip(pipe.classes, pipe.layers, strict=True)):
+                t = self.tables[c]
+                units = peak_in_flight(k.schedule, p, m, k.virtual_stages, j)
+                key = (c, x, j == 0, j == p - 1, units, sp and t.tp > 1)
+                acts = self._acts.get(key)
+                if acts is None:
+                    acts = self._acts[key] = t.activation_bytes(x, *key[2:])
+                if state[j] + acts + t.reserve_bytes > t.cls.gpu.memory_bytes:
+                    ok = False
+                    break
+            if ok:
+                return True
+        return False
+
+    def pipe_bound_s(self, i: int, m: int, shards: int) -> float:
+        """Returns the replay bound of pipeline ``i`` running ``m`` micro-batches."""
+        key = (i, m, shards)
+        hit = self._bound.get(key)
+        if hit is None:
+            pipe = self.pipes[i]
+            hit = self._bound[key] = pipeline_bound_s(
+                self.knobs.schedule, m, pipe.fwd_c, pipe.bwd_c, pipe.sends, self.opts(pipe, shards)
+            )
+        return hit
+
+    def build_pipes(self) -> bool:
+        """Enumerates every (shape, split) pipeline that fits somewhere; False when there
+        are too many."""
+        s, k = self.s, self.knobs
+        v = k.virtual_stages
+        layers = s.model.layers
+        avail = [int(a) for a in self.avail]
+        n = count_pipelines(avail, layers // v)
+        if n > ENUMERATION_SPLITS or not self.work.spend(PIPE_UNITS * n):
+            return False
+        shapes = pipeline_shapes(avail, layers // v)
+        zs = zero_choices(self.most)
+        cut = s.cutoff_s
+        chunks: dict[tuple[object, ...], tuple[list[float], list[float], float, float]] = {}
+        floors: dict[tuple[object, ...], float] = {}
+        for seq in shapes:
+            p = len(seq)
+            counts = np.array([seq.count(c) for c in range(len(self.tables))], dtype=np.int64)
+            sends = [0.0] if p == 1 else [
+                self.tables[seq[j]].min_send_s(self.tables[seq[(j + 1) % p]]) for j in range(p)
+            ]  # fmt: skip
+            waits = [p2p_wait_s(sends, j, v, self.tables[c].p2p_exposed) for j, c in enumerate(seq)]
+            m = p if v > 1 and p > 1 else 1  # the fewest micro-batches it may run
+            for split in layer_splits(layers, p, v):
+                hits = []
+                f_acc = b_acc = low = 0.0
+                for j, (c, x) in enumerate(zip(seq, split, strict=True)):
+                    first, last = j == 0, j == p - 1
+                    key = (c, x, first, last, waits[j])
+                    hit = chunks.get(key)
+                    if hit is None:
+                        t = self.tables[c]
+                        f, b = t.stage_fb(x, first, last)
+                        fc, bc = chunk_times(f, b, waits[j], v, t.parts(first, last))
+                        hit = chunks[key] = (fc, bc, sum(fc), sum(bc))
+                    hits.append(hit)
+                    # the closed-form bound at the fewest micro-batches, optimizer left out
+                    low = max(low, f_acc + m * (hit[2] + hit[3]) + b_acc)
+                    f_acc += hit[0][0] + sends[j]
+                    b_acc += hit[1][0] + sends[j]
+                if low * (1.0 - 1e-9) >= cut:
+                    continue
+                floor: list[float] = []
+                for j, (c, x) in enumerate(zip(seq, split, strict=True)):
+                    first, last = j == 0, j == p - 1
+                    fkey = (c, x, first, last, p == 1)
+                    least = floors.get(fkey)
+                    if least is None:
+                        t = self.tables[c]
+                        least = floors[fkey] = min(
+                            stage_state_bytes(s.model, x, t.tp, first, last, p == 1,
+                                              k.precision, z, self.most if z else 1)
+                            for z in zs
+                        )  # fmt: skip
+                    floor.append(least)
+                fwd = [h[0] for h in hits]
+                bwd = [h[1] for h in hits]
+                self.pipes.append(_Pipe(seq, split, counts, fwd, bwd, sends, floor))
+        return True
+
+    def build_items(self) -> None:
+        """Lists, per pipeline, the micro-batch counts at which it fits under the least
+        memory of any ZeRO choice and its bound, with the least optimizer step, beats the
+        cutoff (both only grow with the count)."""
+        sps = (False, True)
+        cut = self.s.cutoff_s
+        for i, pipe in enumerate(self.pipes):
+            step = self.step(pipe)
+            opt = [
+                min(self.opt_s(c, x, j == 0, j == len(pipe.classes) - 1,
+                               len(pipe.classes) == 1, sh) for sh in (1, self.most))
+                for j, (c, x) in enumerate(zip(pipe.classes, pipe.layers, strict=True))
+            ]  # fmt: skip
+            ms: list[tuple[int, float]] = []
+            for m in range(step, self.total + 1, step):
+                if not self.fits(pipe, m, pipe.state_floor, sps):
+                    break  # memory only grows with more micro-batches in flight
+                b = closed_bound_s(m, pipe.fwd_c, pipe.bwd_c, pipe.sends, opt)
+                if b >= cut:
+                    break  # and so does the closed-form bound
+                ms.append((m, b))
+            if ms:
+                self.items.append((i, tuple(int(c) for c in pipe.counts), ms))
+
+    def run(self) -> bool:
+        """Enumerates the setting; False when the budget ran out."""
+        if not self.build_pipes():
+            return False
+        self.build_items()
+        if not self.items:
+            return True
+        avail = tuple(int(a) for a in self.avail)
+        states = math.prod(a + 1 for a in avail)
+        if not self.work.spend(states * len(self.items)):
+            return False
+        self._cover = self._cover_table(avail)
+        return self._dfs(0, 0, self.total, avail, [])
+
+    def _cover_table(self, avail: tuple[int, ...]) -> dict[tuple[int, ...], int]:
+        """Returns, per vector of free TP groups, the most micro-batches pipelines built
+        from them can run while each one's bound beats the cutoff (a knapsack)."""
+        out: dict[tuple[int, ...], int] = {}
+        for free in itertools.product(*(range(a + 1) for a in avail)):
+            best = 0
+            fit = []
+            for idx, (_, counts, ms) in enumerate(self.items):
+                rest = tuple(f - c for f, c in zip(free, counts, strict=True))
+                if min(rest) >= 0:
+                    best = max(best, ms[-1][0] + out[rest])
+                    fit.append(idx)
+            out[free] = best
+            self._fit[free] = fit
+        return out
+
+    def _dfs(
+        self, start: int, m0: int, left: int, free: tuple[int, ...], chosen: list[tuple[int, int]]
+    ) -> bool:
+        """Extends a multiset of (pipeline, micro-batches), in canonical order, until the
+        micro-batches are all placed; False when the budget ran out."""
+        if left == 0:
+            return self._complete(chosen)
+        if len(chosen) >= self.most or self._cover[free] < left:
+            return True
+        fit = self._fit[free]
+        for pos in range(bisect.bisect_left(fit, start), len(fit)):
+            if not self.work.spend():
+                return False
+            idx = fit[pos]
+            i, counts, ms = self.items[idx]
+            rest = tuple(f - c for f, c in zip(free, counts, strict=True))
+            for m, b in ms:
+                if idx == start and m < m0:
+                    continue
+                if m > left or b >= self.s.cutoff_s:
+                    break
+                chosen.append((i, m))
+                ok = self._dfs(idx, m, left - m, rest, chosen)
+                chosen.pop()
+                if not ok:
+                    return False
+        return True
+
+    def _complete(self, chosen: list[tuple[int, int]]) -> bool:
+        """Queues a selection of pipelines under every ZeRO choice that fits and whose
+        bound beats the best estimate; sequence parallelism on wherever a stage has TP > 1
+        (less forward work and memory: off is never better)."""
+        s = self.s
+        d = len(chosen)
+        sel = tuple(chosen)
+        any_tp = any(self.tables[c].tp > 1 for i, _ in sel for c in self.pipes[i].classes)
+        for z in zero_choices(d):
+            shards = d if z else 1
+            bound = max(self.pipe_bound_s(i, m, shards) for i, m in sel)
+            if bound >= s.cutoff_s:
+                continue
+            states = [self._state(i, z, d) for i, _ in sel]
+            if all(
+                self.fits(self.pipes[i], m, st, (any_tp,))
+                for (i, m), st in zip(sel, states, strict=True)
+            ):
+                self.queue.append((bound, len(self.queue), self, sel, z, any_tp))
+        return self.work.spend()
+
+    def place(self, bound_s: float, sel: tuple[tuple[int, int], ...], z: int, sp: bool) -> bool:
+        """Estimates a queued selection (whose bound ``bound_s`` holds for every placement)
+        on every placement whose own bound, with its actual transfers, beats the best
+        estimate; False when the budget ran out."""
+        s, k = self.s, self.knobs
+        assert s.bounds is not None
+        for layout in placements(self.tables, [self.pipes[i].classes for i, _ in sel]):
+            if not self.work.spend(5):
+                return False
+            pipelines = []
+            for r, (i, m) in enumerate(sel):
+                pipe = self.pipes[i]
+                stages = tuple(Stage(x, layout[(r, j)]) for j, x in enumerate(pipe.layers))
+                pipelines.append(Pipeline(m * k.micro_batch, stages))
+            # estimate does not depend on the order of the pipelines: one order each
+            pipelines.sort(key=pipeline_key)
+            plan = Plan(
+                global_batch_size=s.global_batch,
+                micro_batch_size=k.micro_batch,
+                pipelines=tuple(pipelines),
+                precision=k.precision,
+                recompute=k.recompute,
+                zero_stage=z,
+                schedule=k.schedule,
+                virtual_stages=k.virtual_stages,
+                sequence_parallel=sp,
+                flash_attention=k.flash_attention,
+            )
+            if plan in s.seen:
+                continue
+            s.seen.add(plan)
+            if s.bounds.bound_s(plan) >= s.cutoff_s:
+                continue
+            if not self.work.spend(ESTIMATE_UNITS):
+                return False
+            s.evaluate(plan)
+        return True
+
+    def _state(self, i: int, z: int, d: int) -> list[float]:
+        pipe = self.pipes[i]
+        p = len(pipe.classes)
+        return [
+            stage_state_bytes(
+                self.s.model,
+                x,
+                self.tables[c].tp,
+                j == 0,
+                j == p - 1,
+                p == 1,
+                self.knobs.precision,
+                z,
+                d,
+            )
+            for j, (c, x) in enumerate(zip(pipe.classes, pipe.layers, strict=True))
+        ]

@@ -1,0 +1,319 @@
+"""Generation, the heterogeneous search's first pass (every instance): a coordinate search
+over knob settings (TP degrees, micro-batch, recomputation, schedule), each visited only
+while its lower bound (``band_bound_s``) beats the best estimate; per band of data-parallel
+degrees, pipeline templates and their layer splits (partition.py) and the
+pipeline-selection MILP (grouping.py), each selected plan queued with its twins."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+
+from hetplan.plan import RECOMPUTE
+from hetplan.search.grouping import MilpMemo, select_pipelines
+from hetplan.search.het_pool import CandidatePool
+from hetplan.search.het_space import MICRO_BATCHES, dp_bands, schedule_options, tp_configs
+from hetplan.search.het_tables import ClassTable, FrontierCache, Knobs, Template, per_layer_floor_s
+from hetplan.search.het_variants import MAX_STAGES, Variants, build_plan, build_templates, variants
+
+LEADERS = 1
+"""(TP degrees, micro-batch) settings whose every recomputation, schedule and ZeRO memory
+setting is generated."""
+MULTI_ZERO = ((1,), (2, 3))
+"""Memory settings of the multi-pipeline bands: ZeRO-1's caps (plans whose twins need no
+per-micro-batch collectives), then ZeRO-2/3's where they hold more layers."""
+
+
+@dataclass
+class _Setting:
+    """Cost tables, templates and their non-dominated variants under one set of knobs."""
+
+    tables: list[ClassTable]
+    templates: list[Template]
+    variants: Variants | None
+
+
+def capacity_bound_s(taus: list[float], layer_work: float, fixed_s: float, most: int) -> float:
+    """Returns the least iteration time in which TP groups with per-layer times ``taus``
+    (fastest first) can run ``layer_work`` layer-micro-batches and ``fixed_s`` seconds of
+    fixed costs, at most ``most`` groups computing layers: with time T, a group spending
+    F on fixed costs runs (T - F) / tau layers; the fixed costs go to the slowest groups
+    (any group may absorb them), the layers to the ``most`` fastest. A lower bound of any
+    plan's time, since no group works longer than the iteration.
+
+    The room left for layers, ``T * rate - cost(T)``, grows with T and is linear between
+    the points where one more slow group is filled with fixed costs: solved per piece."""
+    rate = sum(1.0 / t for t in taus[:most])
+    slow = sorted(taus, reverse=True)
+    n = len(slow)
+    if fixed_s <= 0:
+        return layer_work / rate * (1.0 - 1e-9)
+    best = math.inf
+    prefix = [0.0]  # sum of 1/tau over the q slowest groups
+    for tau in slow:
+        prefix.append(prefix[-1] + 1.0 / tau)
+    for q in range(n):
+        # q groups filled, group q takes the rest: T in [fixed / (q + 1), fixed / q]
+        used = prefix[q]
+        tau = slow[q]
+        t = (layer_work + fixed_s / tau) / (rate - used + q / tau)
+        lo = fixed_s / (q + 1)
+        hi = fixed_s / q if q else math.inf
+        if t <= hi:
+            best = min(best, max(t, lo))
+    return best * (1.0 - 1e-9)
+
+
+@dataclass
+class SearchState(CandidatePool):
+    """The search's state: the candidate pool, the generation pass with its caches, and
+    the lower bounds of whole knob settings (``combos``), which order the enumeration's
+    settings too."""
+
+    memo: MilpMemo = field(default_factory=MilpMemo)
+    frontiers: FrontierCache = field(default_factory=dict)
+    work_memo: dict[tuple[object, ...], tuple[list[float], float]] = field(default_factory=dict)
+    settings: dict[tuple[object, ...], _Setting] = field(default_factory=dict)
+
+    def generate(self) -> None:
+        """Runs the generation pass, a coordinate search over settings in order of their
+        bound: every symmetric TP degree and micro-batch without recomputation on 1F1B;
+        with selective and full recomputation (where they hold more layers); every
+        recomputation, schedule and ZeRO memory setting at the best (TP degrees,
+        micro-batch); then one class off the best symmetric degree at the best knobs."""
+        schedules = schedule_options(self.model.layers)
+        symmetric = tp_configs(self.model, self.classes)
+        done: set[tuple[object, ...]] = set()
+        base = [("1F1B", 1)]
+        self.explore(symmetric, MICRO_BATCHES, ("none",), base, done)
+        self.explore(symmetric, MICRO_BATCHES, RECOMPUTE[1:], base, done)
+        leaders = sorted(self.by_origin, key=lambda o: self.by_origin[o])[:LEADERS]
+        for tps, mb in leaders:
+            self.explore([tps], (mb,), RECOMPUTE, base, done, MULTI_ZERO[1:])
+            self.explore([tps], (mb,), RECOMPUTE, schedules[1:], done)
+        if leaders:
+            tps, mb = leaders[0]
+            best = min(self.pool, key=lambda x: (x[0], x[1]))[2]
+            if len(set(tps)) == 1:
+                around = tp_configs(self.model, self.classes, around=tps[0])
+                self.explore(around, (mb,), (best.recompute,),
+                             [(best.schedule, best.virtual_stages)], done)  # fmt: skip
+
+    def combo_bound_s(self, tps: tuple[int, ...], knobs: Knobs) -> float:
+        """Returns a lower bound of any plan under these knobs (``band_bound_s`` over every
+        number of pipelines)."""
+        total = self.global_batch // knobs.micro_batch
+        groups = sum(len(c.groups(t)) for c, t in zip(self.classes, tps, strict=True))
+        return self.band_bound_s(tps, knobs, 1, max(1, min(groups, total)))
+
+    def _work(self, tps: tuple[int, ...], knobs: Knobs) -> tuple[list[float], float]:
+        """Returns every TP group's least time per layer and micro-batch, fastest first,
+        and the least fixed time one micro-batch costs its pipeline (``stage_times`` with
+        no layers: one stage holding embedding and head, or a first and a last stage)."""
+        hit = self.work_memo.get((tps, knobs))
+        if hit is not None:
+            return hit
+        tables = self.class_tables(tps, knobs)
+        taus = sorted(per_layer_floor_s(t) for t in tables for _ in range(t.groups))
+        single = min(t.stage_s(0, True, True) for t in tables)
+        split = min(t.stage_s(0, True, False) for t in tables) + min(
+            t.stage_s(0, False, True) for t in tables
+        )
+        hit = self.work_memo[(tps, knobs)] = (taus, min(single, split))
+        return hit
+
+    def combos(
+        self,
+        tp_list: list[tuple[int, ...]],
+        mbs: tuple[int, ...],
+        recompute: tuple[str, ...],
+        schedules: list[tuple[str, int]],
+    ) -> list[tuple[float, tuple[int, ...], Knobs]]:
+        """Returns every knob setting with its lower bound (``combo_bound_s``), smallest
+        first."""
+        out = []
+        for tps in tp_list:
+            for mb in mbs:
+                if self.global_batch % mb:
+                    continue
+                for rc in recompute:
+                    for sched, v in schedules:
+                        knobs = Knobs(mb, rc, 0, 1, self.precision, self.flash, sched, v)
+                        out.append((self.combo_bound_s(tps, knobs), tps, knobs))
+        out.sort(key=lambda c: c[0])
+        return out
+
+    def explore(
+        self,
+        tp_list: list[tuple[int, ...]],
+        mbs: tuple[int, ...],
+        recompute: tuple[str, ...],
+        schedules: list[tuple[str, int]],
+        done: set[tuple[object, ...]] | None = None,
+        zeros: tuple[tuple[int, ...], ...] = MULTI_ZERO[:1],
+    ) -> None:
+        """Generates plans for knob settings in order of their lower bound (settings
+        in ``done`` are skipped, and the visited ones added to it); ``zeros``: the memory
+        settings of the multi-pipeline bands."""
+        for bound_s, tps, knobs in self.combos(tp_list, mbs, recompute, schedules):
+            if bound_s >= self.cutoff_s:
+                break
+            if done is not None:
+                if (tps, knobs, zeros) in done:
+                    continue
+                done.add((tps, knobs, zeros))
+            if self._dominated(tps, knobs, zeros):
+                continue
+            self.origin = (tps, knobs.micro_batch)
+            self._combo(tps, knobs, zeros)
+            self.drain()
+        self.origin = None
+
+    def _setting(
+        self, tps: tuple[int, ...], knobs0: Knobs, lo: int, zeros: tuple[int, ...]
+    ) -> _Setting:
+        """Returns the tables, templates and variants of one setting; memory caps are the
+        least over ``zeros`` and the sequence-parallel choices at ``lo`` pipelines (one, or
+        two for every band of more: their caps hold for them all)."""
+        knobs = replace(knobs0, zero_stage=zeros[0], dp_assumed=lo, zero_choices=zeros)
+        hit = self.settings.get((tps, knobs))
+        if hit is not None:
+            return hit
+        hit = self.settings[(tps, knobs)] = self._build_setting(tps, knobs)
+        return hit
+
+    def _build_setting(self, tps: tuple[int, ...], knobs: Knobs) -> _Setting:
+        tables = self.class_tables(tps, knobs)
+        groups = sum(t.groups for t in tables)
+        templates = build_templates(tables, self.model.layers, groups, self.frontiers)
+        if not templates:
+            self.min_mem = min(self.min_mem, *(t.stage_bytes(1, 0, 1) for t in tables))
+            return _Setting(tables, templates, None)
+        return _Setting(tables, templates, variants(templates, knobs.virtual_stages))
+
+    def _dominated(
+        self, tps: tuple[int, ...], knobs: Knobs, zeros: tuple[tuple[int, ...], ...]
+    ) -> bool:
+        """Returns whether a recomputation holds no more layers anywhere than a lighter one:
+        its plans are then those of the lighter one with slower stages (each stage's times
+        only grow, and a longer last backward hides no more gradient reduction than it
+        delays), so it cannot win."""
+        if knobs.recompute == "none":
+            return False
+        lighter = RECOMPUTE[: RECOMPUTE.index(knobs.recompute)]
+        pairs = [(1, (0,))] + [(2, zs) for zs in zeros]
+        for rc in lighter:
+            other = replace(knobs, recompute=rc)
+            same = True
+            for lo, zs in pairs:
+                mine = replace(knobs, zero_stage=zs[0], dp_assumed=lo, zero_choices=zs)
+                theirs = replace(other, zero_stage=zs[0], dp_assumed=lo, zero_choices=zs)
+                if not self._same_caps(
+                    self.class_tables(tps, mine), self.class_tables(tps, theirs)
+                ):
+                    same = False
+                    break
+            if same:
+                return True
+        return False
+
+    def _same_caps(self, a: list[ClassTable], b: list[ClassTable]) -> bool:
+        most = min(self.model.layers, 32)
+        return all(
+            x.caps_row(p) == y.caps_row(p)
+            for p in range(1, most + 1)
+            for x, y in zip(a, b, strict=True)
+        )
+
+    def band_bound_s(self, tps: tuple[int, ...], knobs: Knobs, lo: int, hi: int) -> float:
+        """Returns a lower bound of any plan of ``lo`` to ``hi`` pipelines under these knobs.
+
+        Work: every micro-batch crosses every layer on some TP group (at no less than its
+        class's least time per layer) and pays its pipeline's fixed costs (embedding, head,
+        per-stage overheads), and no group works longer than the iteration; a pipeline has
+        at most ``depth = min(layers / v, MAX_STAGES)`` stages, so at most ``hi * depth``
+        groups compute layers, and one pipeline runs at least ``total / hi`` micro-batches
+        on its own ``depth``. Pipelining: with d pipelines one runs m >= total / d
+        micro-batches on p <= depth stages (the others need a group each) whose times sum
+        to at least ``S`` (all layers once, and the fixed costs); the closed-form bound
+        ``max_j (sum_{i<j} T_i / v + m T_j)`` is least, over stage times summing to S,
+        when all its terms are equal: ``S / (v (1 - (1 - 1/(m v))^p))``."""
+        total = self.global_batch // knobs.micro_batch
+        taus, phi = self._work(tps, knobs)
+        v = knobs.virtual_stages
+        depth = min(self.model.layers // v, MAX_STAGES)
+        layers = self.model.layers
+        whole = capacity_bound_s(taus, total * layers, total * phi, hi * depth)
+        one = math.ceil(total / hi)
+        out = max(whole, capacity_bound_s(taus, one * layers, one * phi, depth))
+        least = phi + layers * taus[0]
+        piped = math.inf
+        for d in range(lo, hi + 1):
+            m, p = math.ceil(total / d), max(1, min(depth, len(taus) - d + 1))
+            piped = min(piped, least / (v * (1.0 - (1.0 - 1.0 / (m * v)) ** p)))
+        return max(out, piped * (1.0 - 1e-9))
+
+    def _combo(
+        self, tps: tuple[int, ...], knobs0: Knobs, zeros: tuple[tuple[int, ...], ...]
+    ) -> None:
+        total_micro = self.global_batch // knobs0.micro_batch
+        groups = sum(len(c.groups(t)) for c, t in zip(self.classes, tps, strict=True))
+        bands = [
+            (lo, hi)
+            for lo, hi in dp_bands(min(groups, total_micro))
+            if self.band_bound_s(tps, knobs0, lo, hi) < self.cutoff_s
+        ]
+        single = bands[:1] if bands and bands[0][0] == 1 else []
+        multi = bands[len(single) :]
+        settings: list[_Setting] = []
+        if multi:
+            first = self._setting(tps, knobs0, 2, MULTI_ZERO[0])
+            for zs in zeros:
+                setting = self._setting(tps, knobs0, 2, zs)
+                if setting is not first and self._same_caps(first.tables, setting.tables):
+                    continue  # ZeRO-1's templates, with no cheaper twins
+                settings.append(setting)
+        if single:
+            # one pipeline runs without ZeRO: the multi-pipeline tables have the same times
+            # and more room, so any split it may use has a bottleneck no less than theirs
+            var = settings[0].variants if settings else None
+            if var is None or total_micro * np.min(var.bound[2]) < self.cutoff_s:
+                self._bands(tps, [self._setting(tps, knobs0, 1, (0,))], single, total_micro)
+        if multi:
+            self._bands(tps, settings, multi, total_micro)
+
+    def _bands(
+        self,
+        tps: tuple[int, ...],
+        settings: list[_Setting],
+        bands: list[tuple[int, int]],
+        total_micro: int,
+    ) -> None:
+        """Selects pipelines per band and setting, and queues their plans' twins."""
+        for setting in settings:
+            if setting.variants is None:
+                continue
+            tables, templates, var = setting.tables, setting.templates, setting.variants
+            knobs = tables[0].knobs
+            v = knobs.virtual_stages
+            avail = np.array([t.groups for t in tables], dtype=np.int64)
+            steps = bsteps = None
+            if v > 1:  # an interleaved pipeline runs a multiple of its stages
+                steps = np.array([len(templates[i].classes) for i, _ in var.keys])
+                bsteps = np.array(
+                    [len(tpl.classes) for tpl in templates for _ in tpl.frontier], dtype=np.int64
+                )
+            for lo, hi in bands:
+                sel = select_pipelines(
+                    var.counts, var.fill, var.bott, avail, total_micro, (lo, hi), 1e-2,
+                    self.cutoff_s, self.memo, var.bound, var.slack_s, steps, bsteps,
+                )  # fmt: skip
+                if sel is None:
+                    continue
+                for replica_major in (True, False):
+                    plan = build_plan(
+                        tables, templates, var.keys, sel, knobs, self.global_batch, replica_major
+                    )
+                    self.offer_twins(plan)

@@ -1,0 +1,156 @@
+"""The candidate pool both passes of the heterogeneous search share: the plans estimated
+so far (ranked by ``estimate``, with the running best and the k-th best), the candidates
+queued under their proven lower bounds (``PlanBounds``) and estimated in bound order, the
+plans seen, and the cost tables per class and knob setting."""
+
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass, field, replace
+
+from hetplan.cluster import Cluster
+from hetplan.cost.estimate import Estimate, estimate
+from hetplan.cost.params import CostParams
+from hetplan.model import ModelSpec
+from hetplan.plan import Plan
+from hetplan.search.grouping import DeviceClass
+from hetplan.search.het_space import canonical, schedule_options, tiebreak, zero_choices
+from hetplan.search.het_tables import ClassTable, Knobs, PlanBounds, class_table
+
+
+@dataclass(order=True)
+class _Pending:
+    bound_s: float
+    order: int
+    plan: Plan = field(compare=False)
+    origin: tuple[tuple[int, ...], int] | None = field(default=None, compare=False)
+    """The (TP degrees, micro-batch) setting that generated it."""
+    exact: bool = field(default=False, compare=False)
+    """Whether ``bound_s`` is the replay bound (else the closed form, tightened when
+    the candidate comes up)."""
+
+
+@dataclass
+class CandidatePool:
+    """The search's running best, its pending candidates, and the caches its passes share."""
+
+    model: ModelSpec
+    cluster: Cluster
+    classes: list[DeviceClass]
+    global_batch: int
+    precision: str
+    params: CostParams
+    flash: bool
+    top_k: int = 5
+    pool: list[tuple[float, tuple[object, ...], Plan, Estimate]] = field(default_factory=list)
+    best_s: float = math.inf
+    min_mem: float = math.inf
+    by_origin: dict[tuple[tuple[int, ...], int], float] = field(default_factory=dict)
+    """Best estimate per generating (TP degrees, micro-batch) setting."""
+    origin: tuple[tuple[int, ...], int] | None = None
+    pending: list[_Pending] = field(default_factory=list)
+    seen: set[Plan] = field(default_factory=set)
+    tables: dict[tuple[int, int, Knobs], ClassTable] = field(default_factory=dict)
+    bounds: PlanBounds | None = None
+    evaluated: int = 0
+    prune: bool = True
+    """Skip knobs, bands and selections whose lower bound cannot win."""
+
+    @property
+    def cutoff_s(self) -> float:
+        """Returns the time a lower bound must beat to be explored."""
+        return self.best_s if self.prune else math.inf
+
+    @property
+    def kth_s(self) -> float:
+        """Returns the k-th best estimate so far (inf with fewer)."""
+        if len(self.pool) < self.top_k:
+            return math.inf
+        return sorted(t for t, _, _, _ in self.pool)[self.top_k - 1]
+
+    def class_tables(self, tps: tuple[int, ...], knobs: Knobs) -> list[ClassTable]:
+        """Returns the cost table of every class at its TP degree under these knobs."""
+        out = []
+        for k, (c, t) in enumerate(zip(self.classes, tps, strict=True)):
+            key = (k, t, knobs)
+            if key not in self.tables:  # shared, so their memory caps are computed once
+                self.tables[key] = class_table(self.model, c, t, knobs, self.params)
+            out.append(self.tables[key])
+        return out
+
+    # ---------------------------------------------------------------- candidates
+    def add(self, plan: Plan, est: Estimate) -> None:
+        """Records an estimated plan."""
+        if not est.fits:
+            self.min_mem = min(self.min_mem, max(s.memory.total for s in est.stages))
+            return
+        t = est.iteration_time_s
+        self.pool.append((t, tiebreak(plan), plan, est))
+        if t < self.best_s:
+            self.best_s = t
+
+    def offer(self, plan: Plan) -> float:
+        """Queues a candidate that fits under its lower bound (returns the bound; inf when
+        it does not fit or was seen)."""
+        assert self.bounds is not None
+        key = canonical(plan)
+        if key in self.seen:
+            return math.inf
+        self.seen.add(key)
+        ok, peak = self.bounds.fits(plan)
+        if not ok:
+            self.min_mem = min(self.min_mem, peak)
+            return math.inf
+        bound = self.bounds.bound_s(plan, exact=False)
+        heapq.heappush(self.pending, _Pending(bound, len(self.seen), plan, self.origin))
+        return bound
+
+    def offer_twins(self, plan: Plan) -> None:
+        """Queues a plan with every ZeRO stage it may take, with sequence parallelism on
+        wherever a stage has TP > 1 (it only removes forward work and activation memory, so
+        the plan with it off is never better); and, for a 1F1B plan, as Interleaved1F1B
+        with every chunk count its stages and batch shares allow."""
+        tp = any(s.tp > 1 for p in plan.pipelines for s in p.stages)
+        forms = [plan]
+        if plan.schedule == "1F1B":
+            for _, v in schedule_options(self.model.layers)[1:]:
+                if all(
+                    all(s.layers % v == 0 for s in p.stages)
+                    and (len(p.stages) == 1 or plan.num_micro_batches(p) % len(p.stages) == 0)
+                    for p in plan.pipelines
+                ):
+                    forms.append(replace(plan, schedule="Interleaved1F1B", virtual_stages=v))
+        # several pipelines: ZeRO-1 reduces as much as ZeRO-0 and shards the optimizer step
+        # and its state, so generation leaves ZeRO-0 to the enumeration
+        zeros = zero_choices(plan.dp)[1:] if plan.dp > 1 else (0,)
+        for form in forms:
+            for z in zeros:
+                self.offer(replace(form, zero_stage=z, sequence_parallel=tp))
+
+    def evaluate(self, plan: Plan, origin: tuple[tuple[int, ...], int] | None = None) -> Estimate:
+        """Estimates one plan and records it."""
+        est = estimate(plan, self.model, self.cluster, self.params, validate=False)
+        self.evaluated += 1
+        self.add(plan, est)
+        if origin is not None and est.fits:
+            t = est.iteration_time_s
+            self.by_origin[origin] = min(self.by_origin.get(origin, math.inf), t)
+        return est
+
+    def drain(self, limit_s: float | None = None) -> None:
+        """Estimates queued candidates in bound order while the bound beats ``limit_s``
+        (default: the best estimate so far); the others stay queued."""
+        while self.pending:
+            cut = self.cutoff_s if limit_s is None else limit_s
+            if self.pending[0].bound_s >= cut:
+                return
+            item = heapq.heappop(self.pending)
+            if not item.exact:  # tighten: the replay bound, then back in line
+                assert self.bounds is not None
+                item.bound_s = max(item.bound_s, self.bounds.bound_s(item.plan))
+                item.exact = True
+                if item.bound_s < cut:
+                    heapq.heappush(self.pending, item)
+                continue
+            self.evaluate(item.plan, item.origin)

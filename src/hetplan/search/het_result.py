@@ -1,0 +1,25 @@
+"""The result of the heterogeneous search: its ranked plans, the two baselines, and what
+it saw on the way."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from hetplan.cost.estimate import Estimate
+from hetplan.plan import Plan
+
+
+@dataclass
+class HeteroResult:
+    """The best plans found, the two baselines, and what the search saw."""
+
+    ranked: list[tuple[Plan, Estimate]]
+    baselines: dict[str, tuple[Plan, Estimate] | None]
+    search_time_s: float
+    notes: list[str] = field(default_factory=list)
+    min_memory_bytes: float = math.inf
+    proven: bool = False
+    """Whether the enumeration completed: the first plan is the best of the whole space."""
+    evaluated: int = 0
+    """Plans estimated (the rest were ruled out by their lower bound)."""
