@@ -293,3 +293,10 @@ def test_mixed_cluster_plan_explain_and_baselines(tmp_path):
     assert info.returncode == 0, info.stderr
     explained = json.loads(info.stdout)
     assert explained["stages"] and explained["replicas"] and explained["bottleneck"]
+
+
+def test_a_failed_run_exits_non_zero():
+    # the worker cannot import its model factory: the command must not end with 0
+    res = run("spmd", "run", "--module", "hetplan.no_such_module:fn", "--cluster", "T4:1x2",
+              "--nproc", "1", "--steps", "1")  # fmt: skip
+    assert res.returncode != 0, res.stderr

@@ -670,7 +670,11 @@ def main() -> None:
     """Runs the CLI; bad input ends with one line naming the field and exit code 2."""
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
-        app(standalone_mode=False)
+        # without standalone mode click returns a command's typer.Exit code instead of
+        # exiting with it: a failed run must not end with 0
+        code = app(standalone_mode=False)
+        if isinstance(code, int) and code != 0:
+            sys.exit(code)
     except InputError as exc:
         err.print(f"[bold red]error[/]: {exc}", highlight=False, soft_wrap=True)
         sys.exit(2)
