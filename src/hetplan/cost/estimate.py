@@ -214,7 +214,7 @@ def stage_times(
     return fwd, bwd, rc, tp_comm, overhead, combine_sources(sources)
 
 
-def _part_split(
+def part_split(
     plan: Plan,
     model: ModelSpec,
     gpu: GPUType,
@@ -547,7 +547,7 @@ def estimate(
             ef = eb = hf = hb = 0.0
             if v > 1 and (j == 0 or j == p - 1):
                 gpu = node_of(st.devices[0]).gpu
-                ef, eb, hf, hb = _part_split(plan, model, gpu, len(st.devices), j == 0,
+                ef, eb, hf, hb = part_split(plan, model, gpu, len(st.devices), j == 0,
                                              j == p - 1, params)  # fmt: skip
             f = (st.forward_s - ef - hf + st.p2p_wait_s / 2) / v
             b = (st.backward_s + st.recompute_s + st.tp_comm_s + st.zero_comm_s - eb - hb

@@ -152,26 +152,21 @@ class Enumeration:
         p = len(pipe.classes)
         return p if self.knobs.virtual_stages > 1 and p > 1 else 1
 
-    def fits(self, pipe: _Pipe, m: int, state: list[float], sps: tuple[bool, ...]) -> bool:
-        """Returns whether every stage fits with ``m`` micro-batches and these state bytes
-        under some sequence-parallel choice of ``sps``."""
+    def fits(self, pipe: _Pipe, m: int, state: list[float]) -> bool:
+        """Returns whether every stage fits with ``m`` micro-batches and these state bytes,
+        sequence parallelism on wherever TP > 1 (it never adds memory)."""
         k = self.knobs
         p = len(pipe.classes)
-        for sp in sps:
-            ok = True
-            for j, (c, x) in enumerate(zip(pipe.classes, pipe.layers, strict=True)):
-                t = self.tables[c]
-                units = peak_in_flight(k.schedule, p, m, k.virtual_stages, j)
-                key = (c, x, j == 0, j == p - 1, units, sp and t.tp > 1)
-                acts = self._acts.get(key)
-                if acts is None:
-                    acts = self._acts[key] = t.activation_bytes(x, *key[2:])
-                if state[j] + acts + t.reserve_bytes > t.cls.gpu.memory_bytes:
-                    ok = False
-                    break
-            if ok:
-                return True
-        return False
+        for j, (c, x) in enumerate(zip(pipe.classes, pipe.layers, strict=True)):
+            t = self.tables[c]
+            units = peak_in_flight(k.schedule, p, m, k.virtual_stages, j)
+            key = (c, x, j == 0, j == p - 1, units, t.tp > 1)
+            acts = self._acts.get(key)
+            if acts is None:
+                acts = self._acts[key] = t.activation_bytes(x, *key[2:])
+            if state[j] + acts + t.reserve_bytes > t.cls.gpu.memory_bytes:
+                return False
+        return True
 
     def pipe_bound_s(self, i: int, m: int, shards: int) -> float:
         """Returns the replay bound of pipeline ``i`` running ``m`` micro-batches."""
@@ -248,7 +243,6 @@ class Enumeration:
         """Lists, per pipeline, the micro-batch counts at which it fits under the least
         memory of any ZeRO choice and its bound, with the least optimizer step, beats the
         cutoff (both only grow with the count)."""
-        sps = (False, True)
         cut = self.s.cutoff_s
         for i, pipe in enumerate(self.pipes):
             step = self.step(pipe)
@@ -259,7 +253,7 @@ class Enumeration:
             ]  # fmt: skip
             ms: list[tuple[int, float]] = []
             for m in range(step, self.total + 1, step):
-                if not self.fits(pipe, m, pipe.state_floor, sps):
+                if not self.fits(pipe, m, pipe.state_floor):
                     break  # memory only grows with more micro-batches in flight
                 b = closed_bound_s(m, pipe.fwd_c, pipe.bwd_c, pipe.sends, opt)
                 if b >= cut:
@@ -340,10 +334,7 @@ class Enumeration:
             if bound >= s.cutoff_s:
                 continue
             states = [self._state(i, z, d) for i, _ in sel]
-            if all(
-                self.fits(self.pipes[i], m, st, (any_tp,))
-                for (i, m), st in zip(sel, states, strict=True)
-            ):
+            if all(self.fits(self.pipes[i], m, st) for (i, m), st in zip(sel, states, strict=True)):
                 self.queue.append((bound, len(self.queue), self, sel, z, any_tp))
         return self.work.spend()
 

@@ -20,7 +20,13 @@ import numpy as np
 
 from hetplan.cluster import Cluster, Node
 from hetplan.cost import comm
-from hetplan.cost.estimate import StageKey, p2p_wait_s, pipeline_talkers, stage_times
+from hetplan.cost.estimate import (
+    StageKey,
+    p2p_wait_s,
+    part_split,
+    pipeline_talkers,
+    stage_times,
+)
 from hetplan.cost.memory import (
     stage_activation_bytes,
     stage_params,
@@ -29,7 +35,6 @@ from hetplan.cost.memory import (
 )
 from hetplan.cost.params import CostParams
 from hetplan.cost.schedule import EXACT_ACTION_LIMIT, peak_in_flight, replay
-from hetplan.hardware import GPUType
 from hetplan.model import ModelSpec
 from hetplan.plan import Plan, element_bytes
 from hetplan.search.grouping import DeviceClass
@@ -153,7 +158,7 @@ class ClassTable:
         hit = self._times.get(key)
         if hit is None:
             assert self.params is not None
-            hit = self._times[key] = part_times(
+            hit = self._times[key] = part_split(
                 self.knobs.time_plan(), self.model, self.cls.gpu, self.tp, first, last,
                 self.params,
             )  # fmt: skip
@@ -456,29 +461,6 @@ def compositions(
 # ------------------------------------------------------------------------- lower bounds
 
 
-def part_times(
-    plan: Plan,
-    model: ModelSpec,
-    gpu: GPUType,
-    tp: int,
-    first: bool,
-    last: bool,
-    params: CostParams,
-) -> tuple[float, float, float, float]:
-    """Returns (embedding forward, backward, head forward, backward) per micro-batch of a
-    stage holding them, zero for what it does not hold (``params.compute``)."""
-    src, mb, prec, flash = (params.compute, plan.micro_batch_size, plan.precision,
-                            plan.flash_attention)  # fmt: skip
-    ef = eb = hf = hb = 0.0
-    if first:
-        et = src.embedding(model, gpu, params, tp, mb, prec, flash).times
-        ef, eb = et.forward_s, et.backward_s
-    if last:
-        ht = src.head(model, gpu, params, tp, mb, prec, flash).times
-        hf, hb = ht.forward_s, ht.backward_s
-    return ef, eb, hf, hb
-
-
 def chunk_times(
     fwd_s: float,
     bwd_s: float,
@@ -638,7 +620,7 @@ class PlanBounds:
                     key = StageKey(node.gpu, node.intra_node_bytes_per_s, stage.tp,
                                    stage.layers, first, last, p == 1)  # fmt: skip
                     f, b, rc, tpc, _, _ = stage_times(plan, model, key, node, params)
-                    split = part_times(plan, model, node.gpu, stage.tp, first, last, params)
+                    split = part_split(plan, model, node.gpu, stage.tp, first, last, params)
                     fb = self._stage[skey] = (f, b + rc + tpc, *split)
                 fwd.append(fb[0])
                 bwd.append(fb[1])
