@@ -3,13 +3,27 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv demo test lint typecheck unit bench clean
+.PHONY: venv demo test lint typecheck unit bench clean lock
 
-$(STAMP): pyproject.toml
+EXTRAS := dev,torch,plots
+
+# installs exactly the versions CI tested (requirements.lock), within pyproject's ranges
+$(STAMP): pyproject.toml requirements.lock
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e '.[dev,torch]'
+	$(BIN)/pip install -q -c requirements.lock -e '.[$(EXTRAS)]'
 	touch $(STAMP)
+
+# re-resolves within pyproject's ranges in a scratch venv and pins the result
+lock:
+	rm -rf .lock-venv && $(PY) -m venv .lock-venv
+	.lock-venv/bin/pip install -q --upgrade pip
+	.lock-venv/bin/pip install -q -e '.[$(EXTRAS)]'
+	{ echo "# Exact versions CI tests with (make test / make demo install from this file)."; \
+	  echo "# Refresh after changing a range in pyproject.toml: make lock"; \
+	  .lock-venv/bin/pip freeze --exclude-editable | grep -v '^#' \
+	    | sed -E 's/^(torch==[^+]*)\+.*/\1/'; } > requirements.lock
+	rm -rf .lock-venv
 
 venv: $(STAMP)
 

@@ -20,6 +20,7 @@ from hetplan.cost.params import CostParams, load_params
 from hetplan.errors import InputError
 from hetplan.model import ModelSpec, load_model
 from hetplan.plan import PRECISIONS, Plan, load_plan
+from hetplan.report import require_matplotlib
 from hetplan.report.table import breakdown_table, estimate_json, plans_table
 
 app = typer.Typer(
@@ -188,6 +189,7 @@ def plan(
     profile_path: ProfileOpt = None,
 ) -> None:
     """Search the best parallel plans for a model on a cluster."""
+    require_matplotlib("--timeline", timeline)
     spec = load_model(model, seq_len)
     cl = load_cluster(cluster)
     prec = _precision(cl, precision)
@@ -340,6 +342,7 @@ def predict(
     --precision, --recompute, --schedule, --virtual-stages, --zero-stage and the
     --sequence-parallel, --flash-attention, --overlap-tp-comm, --overlap-grad-reduce
     switches (and their --no- forms)."""
+    require_matplotlib("--timeline", timeline)
     spec = load_model(model, seq_len)
     cl = load_cluster(cluster)
     params = load_cost(params_path, profile_path)
@@ -564,6 +567,7 @@ def provision(
     profile_path: ProfileOpt = None,
 ) -> None:
     """Choose which GPUs to rent: the time-versus-dollars front and a recommendation."""
+    require_matplotlib("--plot", plot)
     from hetplan.market import load_market
     from hetplan.report.pareto import front_table, result_json, write_pareto_plot
     from hetplan.search.provision import Constraints
@@ -651,6 +655,26 @@ def export(
     tmp.replace(out_path)
 
 
+def _show_version(value: bool) -> None:
+    if value:
+        from hetplan import __version__
+
+        out.print(f"hetplan {__version__}", highlight=False)
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: Annotated[
+        bool,
+        typer.Option(
+            "--version", help="Print the version and exit", is_eager=True, callback=_show_version
+        ),
+    ] = False,
+) -> None:
+    """Plan and run large-model training on clusters of mixed GPUs."""
+
+
 def _mount_subcommands() -> None:
     """Adds the runtime, elastic and SPMD commands; their modules import torch only when a
     command runs, so the planner works without it."""
@@ -687,8 +711,16 @@ def main() -> None:
         except ModuleNotFoundError:
             from typer._click import exceptions as click_exc
 
+        if isinstance(exc, click_exc.NoArgsIsHelpError):
+            exc.show()  # a bare command group prints its help
+            sys.exit(2)
         if isinstance(exc, click_exc.ClickException):
-            exc.show()
+            # one line: the command, then click's message, which names the option
+            ctx = getattr(exc, "ctx", None)
+            where = f"{ctx.command_path}: " if ctx is not None else ""
+            message = " ".join(exc.format_message().split())
+            err.print(f"[bold red]error[/]: {where}{message} (see --help)", highlight=False,
+                      soft_wrap=True, markup=True)  # fmt: skip
             sys.exit(2)
         if isinstance(exc, click_exc.Exit):
             sys.exit(exc.exit_code)

@@ -1,0 +1,72 @@
+"""Dependencies are bounded and locked: every requirement has an upper bound, the lock file
+pins each one inside its range, and what is installed is what the lock says."""
+
+import importlib.metadata
+import tomllib
+from pathlib import Path
+
+import pytest
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+from packaging.version import Version
+
+from hetplan.errors import InputError
+from hetplan.report import require_matplotlib
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def requirements() -> list[Requirement]:
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    reqs = list(project["dependencies"])
+    for extra in project["optional-dependencies"].values():
+        reqs.extend(extra)
+    return [Requirement(r) for r in reqs]
+
+
+def lock() -> dict[str, Version]:
+    pins = {}
+    for line in (ROOT / "requirements.lock").read_text().splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        name, _, version = line.partition("==")
+        assert version, f"lock line not pinned: {line!r}"
+        pins[canonicalize_name(name)] = Version(version)
+    return pins
+
+
+def test_every_requirement_has_an_upper_bound():
+    for req in requirements():
+        ops = {s.operator for s in req.specifier}
+        assert ops & {"<", "<=", "==", "~="}, f"{req} is unbounded above"
+
+
+def test_lock_pins_every_requirement_inside_its_range():
+    pins = lock()
+    for req in requirements():
+        name = canonicalize_name(req.name)
+        assert name in pins, f"{req.name} is not in requirements.lock"
+        assert req.specifier.contains(pins[name], prereleases=True), (req, pins[name])
+
+
+def test_installed_versions_are_the_locked_ones():
+    pins = lock()
+    for req in requirements():
+        name = canonicalize_name(req.name)
+        installed = Version(importlib.metadata.version(req.name))
+        # a local label (torch's +cpu) is the build, not the version the lock names
+        assert Version(installed.public) == pins[name], (req.name, installed, pins[name])
+
+
+def test_a_picture_without_matplotlib_is_one_clear_error(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda n, *a: None if n == "matplotlib" else real(n, *a)
+    )
+    require_matplotlib("--timeline", None)  # no picture asked: nothing needed
+    with pytest.raises(InputError) as info:
+        require_matplotlib("--timeline", Path("t.png"))
+    assert info.value.field == "--timeline" and "hetplan[plots]" in str(info.value)
