@@ -21,7 +21,7 @@ from hetplan.errors import InputError
 from hetplan.model import ModelSpec, load_model
 from hetplan.plan import PRECISIONS, Plan, load_plan
 from hetplan.report import require_matplotlib
-from hetplan.report.table import breakdown_table, estimate_json, plans_table
+from hetplan.report.table import breakdown_table, estimate_json, plan_label, plans_table
 
 app = typer.Typer(
     name="hetplan",
@@ -58,6 +58,39 @@ ProfileOpt = Annotated[
         f"it has them (default: ${PROFILE_ENV}, else none)",
         show_default=False,
     ),
+]
+LIMIT = "a value pins, a list (1,2,4) or a range (2..16) limits"
+TpLimit = Annotated[str | None, typer.Option("--tp", help=f"Tensor-parallel degrees: {LIMIT}")]
+PpLimit = Annotated[str | None, typer.Option("--pp", help=f"Pipeline stages: {LIMIT}")]
+DpLimit = Annotated[str | None, typer.Option("--dp", help=f"Data-parallel replicas: {LIMIT}")]
+MbLimit = Annotated[
+    str | None, typer.Option("--micro-batch-size", help=f"Micro-batch sizes: {LIMIT}")
+]
+VsLimit = Annotated[
+    str | None, typer.Option("--virtual-stages", help=f"Model chunks per stage: {LIMIT}")
+]
+ZeroLimit = Annotated[str | None, typer.Option("--zero-stage", help=f"ZeRO stages: {LIMIT}")]
+RecomputeLimit = Annotated[
+    str | None, typer.Option("--recompute", help="none, selective, full, or a list of them")
+]
+ScheduleLimit = Annotated[
+    str | None,
+    typer.Option("--schedule", help="1F1B, Interleaved1F1B, GPipe, or a list of them"),
+]
+SpLimit = Annotated[
+    bool | None,
+    typer.Option("--sequence-parallel/--no-sequence-parallel", help="(default: searched)"),
+]
+FlashLimit = Annotated[
+    bool | None,
+    typer.Option("--flash-attention/--no-flash-attention", help="(default: on)"),
+]
+GpuTypesLimit = Annotated[
+    str | None, typer.Option("--gpu-types", help="Use only these GPU types, e.g. A100-80GB,T4")
+]
+HeadroomLimit = Annotated[
+    float | None,
+    typer.Option("--memory-headroom", help="Share of each GPU's memory to leave free, e.g. 0.1"),
 ]
 TF32_NOTE = (
     "note: fp32 uses the FP32 CUDA-core peak; PyTorch with TF32 enabled (NGC containers, "
@@ -106,6 +139,14 @@ def load_cost(params_path: Path | None, profile_path: Path | None) -> CostParams
     params = load_params(params_path)
     db = open_profile(profile_path)
     return params if db is None else params.with_profile(db)
+
+
+def print_json(obj: Any) -> None:
+    """Writes one JSON object to stdout with the standard library (no highlighting: a
+    large plan prints in milliseconds, not through rich)."""
+    sys.stdout.write(json.dumps(obj))
+    sys.stdout.write("\n")
+    sys.stdout.flush()
 
 
 def _tf32_note(gpus: Any, precision: str, as_json: bool) -> None:
@@ -185,13 +226,35 @@ def plan(
         bool, typer.Option("--heterogeneous", help="Asymmetric search on one GPU type too")
     ] = False,
     explain_best: Annotated[bool, typer.Option("--explain", help="Explain the best plan")] = False,
+    tp: TpLimit = None,
+    pp: PpLimit = None,
+    dp: DpLimit = None,
+    micro_batch_size: MbLimit = None,
+    virtual_stages: VsLimit = None,
+    zero_stage: ZeroLimit = None,
+    recompute: RecomputeLimit = None,
+    schedule: ScheduleLimit = None,
+    sequence_parallel: SpLimit = None,
+    flash_attention: FlashLimit = None,
+    gpu_types: GpuTypesLimit = None,
+    memory_headroom: HeadroomLimit = None,
     params_path: ParamsOpt = None,
     profile_path: ProfileOpt = None,
 ) -> None:
-    """Search the best parallel plans for a model on a cluster."""
+    """Search the best parallel plans for a model on a cluster.
+
+    The plan options (--tp, --pp, --dp, --micro-batch-size, --virtual-stages, --zero-stage,
+    --recompute, --schedule, --sequence-parallel, --flash-attention, --gpu-types,
+    --memory-headroom) constrain the search: a value pins, a list or range limits."""
     require_matplotlib("--timeline", timeline)
+    from hetplan.search.constraints import constraints_from_options
+
+    limits = constraints_from_options(
+        tp, pp, dp, micro_batch_size, virtual_stages, zero_stage, recompute, schedule,
+        sequence_parallel, flash_attention, gpu_types, memory_headroom,
+    )  # fmt: skip
     spec = load_model(model, seq_len)
-    cl = load_cluster(cluster)
+    cl = limits.apply_to_cluster(load_cluster(cluster))
     prec = _precision(cl, precision)
     batch = _batch(spec, global_batch_size)
     params = load_cost(params_path, profile_path)
@@ -199,26 +262,13 @@ def plan(
     if top <= 0:
         raise InputError("--top", "must be positive")
     start = time.perf_counter()
-    result: dict[str, Any] = {}
-    baselines: dict[str, Any] | None = None
-    if cl.is_homogeneous() and not heterogeneous:
-        from hetplan.search.homogeneous import search_homogeneous
-
-        res = search_homogeneous(spec, cl, batch, prec, top, params)
-        ranked, min_mem = res.ranked, res.min_memory_bytes
-        result["candidates"] = res.candidates
-        result["fitting"] = res.fitting
-    else:
-        from hetplan.search.heterogeneous import search_heterogeneous
-
-        hres = search_heterogeneous(spec, cl, batch, prec, top, params)
-        ranked, min_mem = hres.ranked, hres.min_memory_bytes
-        baselines = {
-            k: (None if v is None else estimate_json(*v)) for k, v in hres.baselines.items()
-        }
-        result["notes"] = hres.notes
+    search = _plan_search(spec, cl, batch, prec, params, heterogeneous)
+    ranked, min_mem, result, baselines = search(limits, top)
     elapsed = time.perf_counter() - start
     if not ranked:
+        if limits.active:
+            field, reason = _infeasible(search, limits)
+            raise InputError(field, reason)
         raise InputError("plan", _no_fit_message(min_mem, cl))
     best_plan, best_est = ranked[0]
     if out_path is not None:
@@ -230,6 +280,7 @@ def plan(
                 "model": spec.name,
                 "global_batch_size": batch,
                 "precision": prec,
+                "constraints": limits.described(),
                 "plans": [estimate_json(p, e) for p, e in ranked],
                 "search_time_s": elapsed,
                 "warnings": best_est.warnings,
@@ -237,11 +288,12 @@ def plan(
         )
         if baselines is not None:
             result["baselines"] = baselines
-        out.print_json(json.dumps(result))
+        print_json(result)
         return
+    within = f", within {' '.join(limits.described())}" if limits.active else ""
     title = (
         f"{spec.name} on {cl.num_gpus} GPUs ({', '.join(g.name for g in cl.gpu_types_used())})"
-        f", batch {batch} x {spec.seq} tokens, {prec}: best plans "
+        f", batch {batch} x {spec.seq} tokens, {prec}{within}: best plans "
         f"(searched in {elapsed:.2f} s)"
     )
     out.print(plans_table(ranked, title))
@@ -253,6 +305,52 @@ def plan(
         _print_explain(best_plan, spec, cl, params)
     if out_path is not None:
         out.print(f"best plan written to {out_path}")
+
+
+SearchOutcome = tuple[list[tuple[Plan, Estimate]], float, dict[str, Any], dict[str, Any] | None]
+
+
+def _plan_search(
+    spec: ModelSpec, cl: Cluster, batch: int, prec: str, params: CostParams, heterogeneous: bool
+) -> Any:
+    """Returns a function (constraints, top) -> (ranked plans, least memory need, extra JSON
+    fields, baselines) running the search a cluster calls for."""
+    from hetplan.search.constraints import PlanConstraints, homogeneous_space
+
+    def run(limits: PlanConstraints, top: int) -> SearchOutcome:
+        flash = True if limits.flash_attention is None else limits.flash_attention
+        if cl.is_homogeneous() and not heterogeneous:
+            from hetplan.search.homogeneous import search_homogeneous
+
+            res = search_homogeneous(spec, cl, batch, prec, top, params,
+                                     space=homogeneous_space(limits),
+                                     flash_attention=flash)  # fmt: skip
+            extra = {"candidates": res.candidates, "fitting": res.fitting}
+            return res.ranked, res.min_memory_bytes, extra, None
+        from hetplan.search.heterogeneous import search_heterogeneous
+
+        hres = search_heterogeneous(spec, cl, batch, prec, top, params, flash, limits)
+        baselines = {
+            k: (None if v is None else estimate_json(*v)) for k, v in hres.baselines.items()
+        }
+        return hres.ranked, hres.min_memory_bytes, {"notes": hres.notes}, baselines
+
+    return run
+
+
+def _infeasible(search: Any, limits: Any) -> tuple[str, str]:
+    """Returns (option, reason) for a constrained search that found no plan: the first
+    constraint without which a plan exists (each tried alone), else all of them."""
+    given = limits.described()
+    for text in given:
+        option = text.split()[0].replace("--no-", "--")
+        ranked = search(limits.without(option.removeprefix("--")), 1)[0]
+        if ranked:
+            return option, (
+                f"no plan satisfies {text} with the other constraints; without it the best "
+                f"plan is {plan_label(ranked[0][0])}"
+            )
+    return "plan", f"no plan satisfies {' '.join(given)}, nor any of them relaxed alone"
 
 
 def _print_baselines(best: Estimate, baselines: dict[str, Any]) -> None:
@@ -416,7 +514,7 @@ def predict(
     est = estimate(the_plan, spec, cl, params)
     _write_pictures(the_plan, spec, cl, params, trace, timeline)
     if as_json:
-        out.print_json(json.dumps(estimate_json(the_plan, est)))
+        print_json(estimate_json(the_plan, est))
         return
     out.print(plans_table([(the_plan, est)], f"{spec.name}: predicted"))
     _print_warnings(est.warnings)
@@ -448,7 +546,7 @@ def explain(
     the_plan = load_plan(plan_path)
     info = explain_plan(the_plan, spec, cl, load_cost(params_path, profile_path))
     if as_json:
-        out.print_json(json.dumps(info))
+        print_json(info)
     else:
         for table in explain_table(info):
             out.print(table)
@@ -496,7 +594,7 @@ def calibrate(
         fitted = dataclasses.replace(fitted, fit_report=report_out)
         fitted.save(out_path)
     if as_json:
-        out.print_json(json.dumps({**report, "terms": fitted.fit_report.get("terms", {})}))
+        print_json({**report, "terms": fitted.fit_report.get("terms", {})})
         return
     from rich.table import Table
 
@@ -612,7 +710,7 @@ def provision(
     if plot is not None:
         write_pareto_plot(plot, res, constraints)
     if as_json:
-        out.print_json(json.dumps(result_json(res) | {"precision": precision}))
+        print_json(result_json(res) | {"precision": precision})
         return
     title = (
         f"{spec.name}, {n_tokens:.3g} tokens, {precision}: time-versus-cost front "

@@ -22,6 +22,17 @@ def plan_summary(plan: Plan) -> dict[str, Any]:
     }
 
 
+def plan_label(plan: Plan) -> str:
+    """Returns a short human label of a plan, e.g. ``tp 8, pp 4, dp 2, micro-batch 1,
+    1F1B, ZeRO 1, recompute none`` (per-stage degrees joined by / when they differ)."""
+    deg = plan_summary(plan)
+    sched = plan.schedule + (f" x{plan.virtual_stages}" if plan.virtual_stages > 1 else "")
+    return (
+        f"tp {_degree(deg['tp'])}, pp {_degree(deg['pp'])}, dp {deg['dp']}, micro-batch "
+        f"{plan.micro_batch_size}, {sched}, ZeRO {plan.zero_stage}, recompute {plan.recompute}"
+    )
+
+
 def _degree(value: Any) -> str:
     return "/".join(map(str, value)) if isinstance(value, list) else str(value)
 

@@ -12,6 +12,7 @@ from hetplan.cost.params import CostParams
 from hetplan.errors import InputError
 from hetplan.model import ModelSpec
 from hetplan.plan import Plan
+from hetplan.search.constraints import PlanConstraints, homogeneous_space
 from hetplan.search.het_tables import PlanBounds
 from hetplan.search.homogeneous import divisors, search_homogeneous
 from hetplan.search.layout import uniform_plan
@@ -26,8 +27,11 @@ def best_single_type(
     precision: str,
     params: CostParams,
     flash_attention: bool,
+    constraints: PlanConstraints | None = None,
 ) -> tuple[Scored | None, list[str]]:
-    """Returns the fastest homogeneous plan on the nodes of any one class, and notes."""
+    """Returns the fastest homogeneous plan on the nodes of any one class (within the
+    constraints), and notes."""
+    space = homogeneous_space(constraints or PlanConstraints())
     notes: list[str] = []
     best: Scored | None = None
     groups: dict[tuple[str, int, float, float], list[str]] = {}
@@ -41,8 +45,9 @@ def best_single_type(
             continue
         try:
             res = search_homogeneous(
-                model, sub, global_batch, precision, 1, params, flash_attention=flash_attention
-            )
+                model, sub, global_batch, precision, 1, params, space=space,
+                flash_attention=flash_attention,
+            )  # fmt: skip
         except InputError as exc:
             notes.append(f"single-type baseline on {sig[0]}: {exc.reason}")
             continue
@@ -59,8 +64,11 @@ def best_uniform(
     precision: str,
     params: CostParams,
     flash_attention: bool,
+    constraints: PlanConstraints | None = None,
 ) -> Scored | None:
-    """Returns the fastest Megatron-style plan over all GPUs: equal layers and batch shares.
+    """Returns the fastest Megatron-style plan over all GPUs: equal layers and batch shares
+    (micro-batches up to 8, no or full recomputation, ZeRO 0/1 unless the constraints name
+    other values; only plans they allow).
 
     Candidates that fit (the memory ``estimate`` sums) are estimated in order of a proven
     lower bound of their time (``PlanBounds``) until the bound passes the best estimate."""
@@ -69,6 +77,8 @@ def best_uniform(
     n_gpus = cluster.num_gpus
     gpn = math.gcd(*(n.gpus for n in cluster.nodes))
     bounds = PlanBounds(model, cluster, params)
+    c = constraints or PlanConstraints()
+    recomputes = c.recompute or ("none", "full")
     cands: list[tuple[float, int, Plan]] = []
     for tp in divisors(gpn):
         if model.heads % tp or model.ffn % tp or (model.kv_heads % tp and tp % model.kv_heads):
@@ -78,16 +88,20 @@ def best_uniform(
             if pp > model.layers or global_batch % dp:
                 continue
             for mb in divisors(global_batch // dp):
-                if mb > 8:
+                if mb > 8 if c.micro_batch is None else mb not in c.micro_batch:
                     continue
-                for rc in ("none", "full"):
-                    for zero in (0, 1) if dp > 1 else (0,):
+                zeros: tuple[int, ...] = (0, 1) if dp > 1 else (0,)
+                if c.zero_stage is not None and dp > 1:
+                    zeros = tuple(z for z in c.zero_stage if z <= 3)
+                for rc in recomputes:
+                    for zero in zeros:
+                        sp = tp > 1 if c.sequence_parallel is None else c.sequence_parallel
                         plan = uniform_plan(
                             cluster, model.layers, tp, pp, dp, mb, global_batch,
                             precision=precision, recompute=rc, zero_stage=zero,
-                            sequence_parallel=tp > 1, flash_attention=flash_attention,
+                            sequence_parallel=sp, flash_attention=flash_attention,
                         )  # fmt: skip
-                        if bounds.fits(plan)[0]:
+                        if c.allows(plan) and bounds.fits(plan)[0]:
                             cands.append((bounds.bound_s(plan, exact=False), len(cands), plan))
     cands.sort(key=lambda c: (c[0], c[1]))
     best: Scored | None = None

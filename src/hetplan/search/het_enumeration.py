@@ -20,7 +20,6 @@ from hetplan.plan import RECOMPUTE, Pipeline, Plan, Stage
 from hetplan.search.het_generation import SearchState
 from hetplan.search.het_pool import CandidatePool
 from hetplan.search.het_space import (
-    MICRO_BATCHES,
     pipeline_key,
     schedule_options,
     tp_options,
@@ -49,12 +48,14 @@ def enumerate_all(state: SearchState, budget: int = ENUMERATION_BUDGET) -> bool:
     """Estimates every plan of the space whose lower bound beats the best estimate,
     selections of pipelines in order of their bound; returns False (unproven) when the
     work passes ``budget``."""
-    tp_list = list(itertools.product(*(tp_options(state.model, c) for c in state.classes)))
+    tp_list = state.tps_allowed(
+        list(itertools.product(*(tp_options(state.model, c) for c in state.classes)))
+    )
     for tps in tp_list:  # too many pipelines to list: give up before any work
         avail = [len(c.groups(t)) for c, t in zip(state.classes, tps, strict=True)]
         if count_pipelines(avail, state.model.layers) > ENUMERATION_SPLITS:
             return False
-    combos = state.combos(tp_list, MICRO_BATCHES, RECOMPUTE,
+    combos = state.combos(tp_list, state.micro_batches, RECOMPUTE,
                           schedule_options(state.model.layers))  # fmt: skip
     work = _Budget(budget)
     queue: list[tuple[float, int, Enumeration, tuple[tuple[int, int], ...], int, bool]]
@@ -328,14 +329,15 @@ class Enumeration:
         d = len(chosen)
         sel = tuple(chosen)
         any_tp = any(self.tables[c].tp > 1 for i, _ in sel for c in self.pipes[i].classes)
-        for z in zero_choices(d):
+        for z in s.zeros_allowed(zero_choices(d)):
             shards = d if z else 1
             bound = max(self.pipe_bound_s(i, m, shards) for i, m in sel)
             if bound >= s.cutoff_s:
                 continue
             states = [self._state(i, z, d) for i, _ in sel]
             if all(self.fits(self.pipes[i], m, st) for (i, m), st in zip(sel, states, strict=True)):
-                self.queue.append((bound, len(self.queue), self, sel, z, any_tp))
+                sp = s.sequence_parallel_for(any_tp)
+                self.queue.append((bound, len(self.queue), self, sel, z, sp))
         return self.work.spend()
 
     def place(self, bound_s: float, sel: tuple[tuple[int, int], ...], z: int, sp: bool) -> bool:
@@ -369,6 +371,8 @@ class Enumeration:
             if plan in s.seen:
                 continue
             s.seen.add(plan)
+            if not s.constraints.allows(plan):
+                continue
             if s.bounds.bound_s(plan) >= s.cutoff_s:
                 continue
             if not self.work.spend(ESTIMATE_UNITS):

@@ -14,7 +14,7 @@ import numpy as np
 from hetplan.plan import RECOMPUTE
 from hetplan.search.grouping import MilpMemo, select_pipelines
 from hetplan.search.het_pool import CandidatePool
-from hetplan.search.het_space import MICRO_BATCHES, dp_bands, schedule_options, tp_configs
+from hetplan.search.het_space import dp_bands, schedule_options, tp_configs
 from hetplan.search.het_tables import ClassTable, FrontierCache, Knobs, Template, per_layer_floor_s
 from hetplan.search.het_variants import MAX_STAGES, Variants, build_plan, build_templates, variants
 
@@ -87,8 +87,11 @@ class SearchState(CandidatePool):
         symmetric = tp_configs(self.model, self.classes)
         done: set[tuple[object, ...]] = set()
         base = [("1F1B", 1)]
-        self.explore(symmetric, MICRO_BATCHES, ("none",), base, done)
-        self.explore(symmetric, MICRO_BATCHES, RECOMPUTE[1:], base, done)
+        mbs = self.micro_batches
+        self.explore(symmetric, mbs, ("none",), base, done)
+        self.explore(symmetric, mbs, RECOMPUTE[1:], base, done)
+        if not self.schedules_allowed(base):  # 1F1B ruled out: start from the interleaved
+            self.explore(symmetric, mbs, RECOMPUTE, schedules[1:], done)
         leaders = sorted(self.by_origin, key=lambda o: self.by_origin[o])[:LEADERS]
         for tps, mb in leaders:
             self.explore([tps], (mb,), RECOMPUTE, base, done, MULTI_ZERO[1:])
@@ -134,12 +137,12 @@ class SearchState(CandidatePool):
         """Returns every knob setting with its lower bound (``combo_bound_s``), smallest
         first."""
         out = []
-        for tps in tp_list:
+        for tps in self.tps_allowed(tp_list):
             for mb in mbs:
-                if self.global_batch % mb:
+                if self.global_batch % mb or mb not in self.micro_batches:
                     continue
-                for rc in recompute:
-                    for sched, v in schedules:
+                for rc in self.recompute_allowed(recompute):
+                    for sched, v in self.schedules_allowed(schedules):
                         knobs = Knobs(mb, rc, 0, 1, self.precision, self.flash, sched, v)
                         out.append((self.combo_bound_s(tps, knobs), tps, knobs))
         out.sort(key=lambda c: c[0])
@@ -202,7 +205,7 @@ class SearchState(CandidatePool):
         delays), so it cannot win."""
         if knobs.recompute == "none":
             return False
-        lighter = RECOMPUTE[: RECOMPUTE.index(knobs.recompute)]
+        lighter = self.recompute_allowed(RECOMPUTE[: RECOMPUTE.index(knobs.recompute)])
         pairs = [(1, (0,))] + [(2, zs) for zs in zeros]
         for rc in lighter:
             other = replace(knobs, recompute=rc)

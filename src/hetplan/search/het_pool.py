@@ -14,8 +14,15 @@ from hetplan.cost.estimate import Estimate, estimate
 from hetplan.cost.params import CostParams
 from hetplan.model import ModelSpec
 from hetplan.plan import Plan
+from hetplan.search.constraints import PlanConstraints
 from hetplan.search.grouping import DeviceClass
-from hetplan.search.het_space import canonical, schedule_options, tiebreak, zero_choices
+from hetplan.search.het_space import (
+    MICRO_BATCHES,
+    canonical,
+    schedule_options,
+    tiebreak,
+    zero_choices,
+)
 from hetplan.search.het_tables import ClassTable, Knobs, PlanBounds, class_table
 
 
@@ -56,6 +63,43 @@ class CandidatePool:
     evaluated: int = 0
     prune: bool = True
     """Skip knobs, bands and selections whose lower bound cannot win."""
+    constraints: PlanConstraints = field(default_factory=PlanConstraints)
+    """The user's limits: knob domains are narrowed to them, and no plan that breaks one
+    is queued or recorded."""
+
+    # ---------------------------------------------------------------- knob domains
+    @property
+    def micro_batches(self) -> tuple[int, ...]:
+        """Returns the micro-batches to try: the user's, else the search's own."""
+        return self.constraints.micro_batch or MICRO_BATCHES
+
+    def tps_allowed(self, tp_list: list[tuple[int, ...]]) -> list[tuple[int, ...]]:
+        """Returns the per-class TP degrees whose every degree the constraints allow."""
+        allowed = self.constraints.tp
+        return [t for t in tp_list if allowed is None or all(x in allowed for x in t)]
+
+    def recompute_allowed(self, options: tuple[str, ...]) -> tuple[str, ...]:
+        allowed = self.constraints.recompute
+        return tuple(r for r in options if allowed is None or r in allowed)
+
+    def schedules_allowed(self, options: list[tuple[str, int]]) -> list[tuple[str, int]]:
+        c = self.constraints
+        return [
+            (name, v)
+            for name, v in options
+            if (c.schedule is None or name in c.schedule)
+            and (c.virtual_stages is None or v in c.virtual_stages)
+        ]
+
+    def zeros_allowed(self, options: tuple[int, ...]) -> tuple[int, ...]:
+        allowed = self.constraints.zero_stage
+        return tuple(z for z in options if allowed is None or z in allowed)
+
+    def sequence_parallel_for(self, any_tp: bool) -> bool:
+        """Returns sequence parallelism for a plan (on wherever a stage has TP > 1, unless
+        the user pinned it)."""
+        pinned = self.constraints.sequence_parallel
+        return any_tp if pinned is None else pinned
 
     @property
     def cutoff_s(self) -> float:
@@ -81,7 +125,9 @@ class CandidatePool:
 
     # ---------------------------------------------------------------- candidates
     def add(self, plan: Plan, est: Estimate) -> None:
-        """Records an estimated plan."""
+        """Records an estimated plan (one the constraints allow)."""
+        if not self.constraints.allows(plan):
+            return
         if not est.fits:
             self.min_mem = min(self.min_mem, max(s.memory.total for s in est.stages))
             return
@@ -94,6 +140,8 @@ class CandidatePool:
         """Queues a candidate that fits under its lower bound (returns the bound; inf when
         it does not fit or was seen)."""
         assert self.bounds is not None
+        if not self.constraints.allows(plan):
+            return math.inf
         key = canonical(plan)
         if key in self.seen:
             return math.inf
@@ -111,10 +159,10 @@ class CandidatePool:
         wherever a stage has TP > 1 (it only removes forward work and activation memory, so
         the plan with it off is never better); and, for a 1F1B plan, as Interleaved1F1B
         with every chunk count its stages and batch shares allow."""
-        tp = any(s.tp > 1 for p in plan.pipelines for s in p.stages)
+        sp = self.sequence_parallel_for(any(s.tp > 1 for p in plan.pipelines for s in p.stages))
         forms = [plan]
         if plan.schedule == "1F1B":
-            for _, v in schedule_options(self.model.layers)[1:]:
+            for _, v in self.schedules_allowed(schedule_options(self.model.layers)[1:]):
                 if all(
                     all(s.layers % v == 0 for s in p.stages)
                     and (len(p.stages) == 1 or plan.num_micro_batches(p) % len(p.stages) == 0)
@@ -124,9 +172,11 @@ class CandidatePool:
         # several pipelines: ZeRO-1 reduces as much as ZeRO-0 and shards the optimizer step
         # and its state, so generation leaves ZeRO-0 to the enumeration
         zeros = zero_choices(plan.dp)[1:] if plan.dp > 1 else (0,)
+        if self.constraints.zero_stage is not None and plan.dp > 1:
+            zeros = self.zeros_allowed(zero_choices(plan.dp))  # ZeRO-0 too, if it is asked
         for form in forms:
             for z in zeros:
-                self.offer(replace(form, zero_stage=z, sequence_parallel=tp))
+                self.offer(replace(form, zero_stage=z, sequence_parallel=sp))
 
     def evaluate(self, plan: Plan, origin: tuple[tuple[int, ...], int] | None = None) -> Estimate:
         """Estimates one plan and records it."""

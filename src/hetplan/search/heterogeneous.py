@@ -49,6 +49,7 @@ from hetplan.cost.memory import stage_params, state_bytes
 from hetplan.cost.params import CostParams, default_params
 from hetplan.errors import InputError
 from hetplan.model import ModelSpec
+from hetplan.search.constraints import PlanConstraints
 from hetplan.search.grouping import device_classes
 from hetplan.search.het_baselines import best_single_type, best_uniform
 from hetplan.search.het_enumeration import ENUMERATION_BUDGET, Enumeration, enumerate_all
@@ -77,9 +78,12 @@ def search_heterogeneous(
     top_k: int = 5,
     params: CostParams | None = None,
     flash_attention: bool = True,
+    constraints: PlanConstraints | None = None,
 ) -> HeteroResult:
-    """Returns the top-k plans on a mixed cluster, best first, with both baselines."""
-    return search_with(model, cluster, global_batch, precision, top_k, params, flash_attention)
+    """Returns the top-k plans on a mixed cluster, best first, with both baselines (only
+    plans the constraints allow)."""
+    return search_with(model, cluster, global_batch, precision, top_k, params, flash_attention,
+                       constraints=constraints)  # fmt: skip
 
 
 def search_with(
@@ -92,6 +96,7 @@ def search_with(
     flash_attention: bool = True,
     prune: bool = True,
     enumerate_budget: int = ENUMERATION_BUDGET,
+    constraints: PlanConstraints | None = None,
 ) -> HeteroResult:
     """Returns what ``search_heterogeneous`` does; ``prune=False`` turns off every bound
     (to check that pruning loses nothing); ``enumerate_budget=0`` skips the enumeration."""
@@ -106,11 +111,15 @@ def search_with(
             notes.append(f"{cls.gpu.name} has no {precision} support; its GPUs are left out")
     if not classes:
         raise InputError("--precision", f"no GPU of the cluster supports {precision}")
+    constraints = constraints or PlanConstraints()
+    if constraints.flash_attention is not None:
+        flash_attention = constraints.flash_attention
     single, more = best_single_type(
-        model, cluster, global_batch, precision, params, flash_attention
+        model, cluster, global_batch, precision, params, flash_attention, constraints
     )
     notes += more
-    uniform = best_uniform(model, cluster, global_batch, precision, params, flash_attention)
+    uniform = best_uniform(model, cluster, global_batch, precision, params, flash_attention,
+                           constraints)  # fmt: skip
     baselines = {"single_type": single, "uniform": uniform}
     total_mem = sum(c.gpu.memory_bytes * c.num_gpus for c in classes)
     floor = _state_floor_bytes(model, precision, cluster.num_gpus)
@@ -125,6 +134,7 @@ def search_with(
         model, cluster, classes, global_batch, precision, params, flash_attention, top_k
     )
     state.prune = prune
+    state.constraints = constraints
     state.bounds = PlanBounds(model, cluster, params)
     for b in (single, uniform):
         if b is not None:

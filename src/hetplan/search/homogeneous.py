@@ -82,6 +82,8 @@ class SearchSpace:
     dp: tuple[int, ...] | None = None
     micro_batch: tuple[int, ...] | None = None
     schedules: tuple[str, ...] = ("1F1B", "Interleaved1F1B")
+    virtual_stages: tuple[int, ...] | None = None
+    """Model chunks per stage allowed (1: not interleaved); None: 1..max_virtual_stages."""
     overlap_grad_reduce: bool = True
     """Plan option of every candidate: gradient reduction overlapped with the backward."""
     overlap_tp_comm: bool = False
@@ -111,12 +113,15 @@ def enumerate_candidates(
                 schedules: list[tuple[str, int]] = [("1F1B", 1)]
                 if pp > 1 and "Interleaved1F1B" in space.schedules and m % pp == 0:
                     min_layers = model.layers // pp
-                    for v in range(2, space.max_virtual_stages + 1):
+                    top_v = max(space.virtual_stages or (space.max_virtual_stages,))
+                    for v in range(2, top_v + 1):
                         splits = set(even_layer_split(model.layers, pp))
                         if v <= min_layers and all(x % v == 0 for x in splits):
                             schedules.append(("Interleaved1F1B", v))
                 if "1F1B" not in space.schedules:
                     schedules = [s for s in schedules if s[0] != "1F1B"]
+                if space.virtual_stages is not None:
+                    schedules = [s for s in schedules if s[1] in space.virtual_stages]
                 for rc in space.recompute:
                     for zero in space.zero_stages:
                         if zero and dp == 1:

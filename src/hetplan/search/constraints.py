@@ -1,0 +1,257 @@
+"""What a user may impose on the search: degrees, micro-batch, chunks, ZeRO, recomputation,
+schedule, sequence parallelism, flash attention, GPU types and memory headroom.
+
+A single value pins a knob, a list (``1,2,4``) or a range (``2..16``) limits it. The
+searches take the limits as their knob domains and also check every plan they record
+against ``PlanConstraints.violation``, so the best plan under constraints is the best of
+the plans that satisfy them (tested against the unconstrained ranking, filtered)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any, TypeVar
+
+from hetplan.cluster import Cluster
+from hetplan.errors import InputError
+from hetplan.plan import RECOMPUTE, SCHEDULES, Plan
+from hetplan.search.homogeneous import SearchSpace
+
+MAX_RANGE = 1 << 20
+"""The widest range a knob may be given (``1..1048576``): more is a typo."""
+
+
+def parse_ints(option: str, text: str | None, lowest: int = 1) -> tuple[int, ...] | None:
+    """Returns the values of ``8``, ``1,2,4`` or ``2..16`` (sorted, no repeats); None for no
+    text. Bad text raises an InputError naming ``option``."""
+    if text is None:
+        return None
+    values: set[int] = set()
+    for part in text.split(","):
+        part = part.strip()
+        lo_text, dots, hi_text = part.partition("..")
+        try:
+            lo = int(lo_text)
+            hi = int(hi_text) if dots else lo
+        except ValueError:
+            raise InputError(
+                option, f"{text!r} is not a number, a list like 1,2,4 or a range like 2..16"
+            ) from None
+        if lo < lowest or hi < lo:
+            raise InputError(option, f"{part!r}: values must be >= {lowest}, ranges low..high")
+        if hi - lo > MAX_RANGE:
+            raise InputError(option, f"{part!r}: a range of at most {MAX_RANGE} values")
+        values.update(range(lo, hi + 1))
+    return tuple(sorted(values))
+
+
+def parse_names(option: str, text: str | None, allowed: tuple[str, ...]) -> tuple[str, ...] | None:
+    """Returns the names of a comma list, each matched case-insensitively to ``allowed``."""
+    if text is None:
+        return None
+    by_lower = {a.lower(): a for a in allowed}
+    out = []
+    for part in text.split(","):
+        name = by_lower.get(part.strip().lower())
+        if name is None:
+            raise InputError(option, f"{part.strip()!r} is not one of {', '.join(allowed)}")
+        if name not in out:
+            out.append(name)
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class PlanConstraints:
+    """Limits on the plans a search may return (None: free)."""
+
+    tp: tuple[int, ...] | None = None
+    """Every stage's tensor-parallel degree is one of these."""
+    pp: tuple[int, ...] | None = None
+    """Every pipeline's number of stages is one of these."""
+    dp: tuple[int, ...] | None = None
+    """The number of pipelines (data-parallel replicas) is one of these."""
+    micro_batch: tuple[int, ...] | None = None
+    virtual_stages: tuple[int, ...] | None = None
+    """Model chunks per stage (1 for 1F1B and GPipe)."""
+    zero_stage: tuple[int, ...] | None = None
+    recompute: tuple[str, ...] | None = None
+    schedule: tuple[str, ...] | None = None
+    sequence_parallel: bool | None = None
+    flash_attention: bool | None = None
+    gpu_types: tuple[str, ...] | None = None
+    """Only nodes of these GPU types are used (the cluster is cut to them)."""
+    memory_headroom: float = 0.0
+    """Share of each GPU's memory a plan must leave free."""
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.memory_headroom < 1.0:
+            raise InputError("--memory-headroom", "must be a fraction in [0, 1), e.g. 0.1")
+        if self.zero_stage and max(self.zero_stage) > 3:
+            raise InputError("--zero-stage", "ZeRO stages are 0, 1, 2 and 3")
+
+    @property
+    def active(self) -> bool:
+        """Whether anything is constrained."""
+        return self != PlanConstraints()
+
+    def described(self) -> list[str]:
+        """Returns each constraint as the option a user gave, e.g. ``--tp 8``."""
+        out = []
+        for name, value in self._items():
+            if isinstance(value, bool):
+                out.append(f"--{'' if value else 'no-'}{name}")
+            elif isinstance(value, float):
+                out.append(f"--{name} {value:g}")
+            else:
+                out.append(f"--{name} {_compact(value)}")
+        return out
+
+    def _items(self) -> list[tuple[str, object]]:
+        names = {"micro_batch": "micro-batch-size"}
+        out: list[tuple[str, object]] = []
+        for field_name in self.__dataclass_fields__:
+            value = getattr(self, field_name)
+            if value is None or (field_name == "memory_headroom" and value == 0.0):
+                continue
+            out.append((names.get(field_name, field_name.replace("_", "-")), value))
+        return out
+
+    def without(self, option: str) -> PlanConstraints:
+        """Returns these constraints without the one a user gave as ``--option``."""
+        names = {"micro-batch-size": "micro_batch"}
+        field_name = names.get(option, option.replace("-", "_"))
+        default: object = 0.0 if field_name == "memory_headroom" else None
+        changes: dict[str, Any] = {field_name: default}
+        return replace(self, **changes)
+
+    def violation(self, plan: Plan) -> str | None:
+        """Returns the first constraint ``plan`` breaks, as its option name, or None."""
+        stages = [s for p in plan.pipelines for s in p.stages]
+        checks: list[tuple[str, bool]] = [
+            ("--tp", self.tp is None or all(s.tp in self.tp for s in stages)),
+            ("--pp", self.pp is None or all(len(p.stages) in self.pp for p in plan.pipelines)),
+            ("--dp", self.dp is None or plan.dp in self.dp),
+            ("--micro-batch-size",
+             self.micro_batch is None or plan.micro_batch_size in self.micro_batch),
+            ("--virtual-stages",
+             self.virtual_stages is None or plan.virtual_stages in self.virtual_stages),
+            ("--zero-stage", self.zero_stage is None or plan.zero_stage in self.zero_stage),
+            ("--recompute", self.recompute is None or plan.recompute in self.recompute),
+            ("--schedule", self.schedule is None or plan.schedule in self.schedule),
+            ("--sequence-parallel",
+             self.sequence_parallel is None or plan.sequence_parallel == self.sequence_parallel),
+            ("--flash-attention",
+             self.flash_attention is None or plan.flash_attention == self.flash_attention),
+        ]  # fmt: skip
+        return next((name for name, ok in checks if not ok), None)
+
+    def allows(self, plan: Plan) -> bool:
+        """Returns whether ``plan`` meets every constraint."""
+        return self.violation(plan) is None
+
+    def apply_to_cluster(self, cluster: Cluster) -> Cluster:
+        """Returns the cluster the search may use: nodes of the allowed GPU types, each GPU's
+        memory reduced by the headroom (so every fit check, bound and estimate agrees)."""
+        nodes = cluster.nodes
+        if self.gpu_types is not None:
+            known = {n.gpu.name.lower(): n.gpu.name for n in nodes}
+            wanted = set()
+            for name in self.gpu_types:
+                if name.lower() not in known:
+                    raise InputError(
+                        "--gpu-types",
+                        f"the cluster has no {name} (it has {', '.join(sorted(known.values()))})",
+                    )
+                wanted.add(known[name.lower()])
+            nodes = tuple(n for n in nodes if n.gpu.name in wanted)
+        if self.memory_headroom > 0.0:
+            keep = 1.0 - self.memory_headroom
+            nodes = tuple(
+                replace(n, gpu=replace(n.gpu, memory_bytes=n.gpu.memory_bytes * keep))
+                for n in nodes
+            )
+        if nodes == cluster.nodes:
+            return cluster
+        return replace(cluster, nodes=nodes)
+
+
+def _compact(values: object) -> str:
+    """Returns ``1,2,4`` or ``2..16`` for a sorted tuple of ints (names joined by commas)."""
+    assert isinstance(values, tuple)
+    if values and all(isinstance(v, int) for v in values):
+        ints = [int(v) for v in values]
+        if len(ints) > 2 and ints == list(range(ints[0], ints[-1] + 1)):
+            return f"{ints[0]}..{ints[-1]}"
+    return ",".join(str(v) for v in values)
+
+
+def constraints_from_options(
+    tp: str | None = None,
+    pp: str | None = None,
+    dp: str | None = None,
+    micro_batch_size: str | None = None,
+    virtual_stages: str | None = None,
+    zero_stage: str | None = None,
+    recompute: str | None = None,
+    schedule: str | None = None,
+    sequence_parallel: bool | None = None,
+    flash_attention: bool | None = None,
+    gpu_types: str | None = None,
+    memory_headroom: float | None = None,
+) -> PlanConstraints:
+    """Returns the constraints of the CLI's options (text as the user typed it)."""
+    types = None
+    if gpu_types is not None:
+        types = tuple(t.strip() for t in gpu_types.split(",") if t.strip())
+        if not types:
+            raise InputError("--gpu-types", "give one or more GPU type names, e.g. A100-80GB,T4")
+    return PlanConstraints(
+        tp=parse_ints("--tp", tp),
+        pp=parse_ints("--pp", pp),
+        dp=parse_ints("--dp", dp),
+        micro_batch=parse_ints("--micro-batch-size", micro_batch_size),
+        virtual_stages=parse_ints("--virtual-stages", virtual_stages),
+        zero_stage=parse_ints("--zero-stage", zero_stage, lowest=0),
+        recompute=parse_names("--recompute", recompute, RECOMPUTE),
+        schedule=parse_names("--schedule", schedule, SCHEDULES),
+        sequence_parallel=sequence_parallel,
+        flash_attention=flash_attention,
+        gpu_types=types,
+        memory_headroom=0.0 if memory_headroom is None else memory_headroom,
+    )
+
+
+T = TypeVar("T")
+
+
+def _narrow(allowed: tuple[T, ...] | None, current: tuple[T, ...]) -> tuple[T, ...]:
+    return current if allowed is None else tuple(x for x in current if x in allowed)
+
+
+def _meet(
+    allowed: tuple[int, ...] | None, current: tuple[int, ...] | None
+) -> tuple[int, ...] | None:
+    if allowed is None:
+        return current
+    if current is None:
+        return allowed
+    return tuple(x for x in current if x in allowed)
+
+
+def homogeneous_space(c: PlanConstraints, base: SearchSpace | None = None) -> SearchSpace:
+    """Returns the homogeneous search's space narrowed to the constraints."""
+    base = base or SearchSpace()
+    sp = base.sequence_parallel
+    if c.sequence_parallel is not None:
+        sp = tuple(x for x in sp if x == c.sequence_parallel)
+    return replace(
+        base,
+        tp=_meet(c.tp, base.tp),
+        pp=_meet(c.pp, base.pp),
+        dp=_meet(c.dp, base.dp),
+        micro_batch=_meet(c.micro_batch, base.micro_batch),
+        virtual_stages=_meet(c.virtual_stages, base.virtual_stages),
+        recompute=_narrow(c.recompute, base.recompute),
+        zero_stages=_narrow(c.zero_stage, base.zero_stages),
+        schedules=_narrow(c.schedule, base.schedules),
+        sequence_parallel=sp,
+    )
