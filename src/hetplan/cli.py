@@ -92,6 +92,10 @@ HeadroomLimit = Annotated[
     float | None,
     typer.Option("--memory-headroom", help="Share of each GPU's memory to leave free, e.g. 0.1"),
 ]
+MaxGpusLimit = Annotated[
+    int | None,
+    typer.Option("--max-gpus", help="At most this many GPUs (plan: the cluster's first nodes)"),
+]
 TF32_NOTE = (
     "note: fp32 uses the FP32 CUDA-core peak; PyTorch with TF32 enabled (NGC containers, "
     "torch.backends.cuda.matmul.allow_tf32=True) runs fp32 matmuls on TF32 tensor cores: "
@@ -238,6 +242,7 @@ def plan(
     flash_attention: FlashLimit = None,
     gpu_types: GpuTypesLimit = None,
     memory_headroom: HeadroomLimit = None,
+    max_gpus: MaxGpusLimit = None,
     params_path: ParamsOpt = None,
     profile_path: ProfileOpt = None,
 ) -> None:
@@ -245,13 +250,14 @@ def plan(
 
     The plan options (--tp, --pp, --dp, --micro-batch-size, --virtual-stages, --zero-stage,
     --recompute, --schedule, --sequence-parallel, --flash-attention, --gpu-types,
-    --memory-headroom) constrain the search: a value pins, a list or range limits."""
+    --memory-headroom, --max-gpus) constrain the search: a value pins, a list or range
+    limits."""
     require_matplotlib("--timeline", timeline)
     from hetplan.search.constraints import constraints_from_options
 
     limits = constraints_from_options(
         tp, pp, dp, micro_batch_size, virtual_stages, zero_stage, recompute, schedule,
-        sequence_parallel, flash_attention, gpu_types, memory_headroom,
+        sequence_parallel, flash_attention, gpu_types, memory_headroom, max_gpus,
     )  # fmt: skip
     spec = load_model(model, seq_len)
     cl = limits.apply_to_cluster(load_cluster(cluster))
@@ -636,9 +642,10 @@ def provision(
     deadline: Annotated[str | None, typer.Option("--deadline", help="e.g. 30d, 12h")] = None,
     budget_usd: Annotated[str | None, typer.Option("--budget-usd", help="e.g. 2e6")] = None,
     max_usd_per_hour: Annotated[str | None, typer.Option("--max-usd-per-hour")] = None,
-    objective: Annotated[str, typer.Option("--objective", help="time, cost or balanced")] = (
-        "balanced"
-    ),
+    objective: Annotated[
+        str,
+        typer.Option("--objective", help="time, cost (= tokens-per-dollar) or balanced"),
+    ] = "balanced",
     spot: Annotated[bool, typer.Option("--spot", help="Rent spot instances")] = False,
     mixes: Annotated[
         bool, typer.Option("--mixes", help="Also search two-type mixes (heterogeneous planner)")
@@ -661,25 +668,53 @@ def provision(
     ] = None,
     as_json: JsonOpt = False,
     plot: Annotated[Path | None, typer.Option("--plot", help="Write the front as PNG")] = None,
+    tp: TpLimit = None,
+    pp: PpLimit = None,
+    dp: DpLimit = None,
+    micro_batch_size: MbLimit = None,
+    virtual_stages: VsLimit = None,
+    zero_stage: ZeroLimit = None,
+    recompute: RecomputeLimit = None,
+    schedule: ScheduleLimit = None,
+    sequence_parallel: SpLimit = None,
+    flash_attention: FlashLimit = None,
+    gpu_types: GpuTypesLimit = None,
+    memory_headroom: HeadroomLimit = None,
+    max_gpus: MaxGpusLimit = None,
     params_path: ParamsOpt = None,
     profile_path: ProfileOpt = None,
 ) -> None:
-    """Choose which GPUs to rent: the time-versus-dollars front and a recommendation."""
+    """Choose which GPUs to rent: the time-versus-dollars front and a recommendation.
+
+    The plan options (--tp ... --max-gpus, as for plan) constrain every configuration's
+    plan, the GPU types rented and how many GPUs."""
     require_matplotlib("--plot", plot)
     from hetplan.market import load_market
     from hetplan.report.pareto import front_table, result_json, write_pareto_plot
+    from hetplan.search.constraints import constraints_from_options
     from hetplan.search.provision import Constraints
     from hetplan.search.provision import provision as run_provision
     from hetplan.search.spot import SpotTerms
     from hetplan.units import parse_count, parse_duration_s
 
+    if objective == "tokens-per-dollar":  # the most tokens per dollar is the least cost
+        objective = "cost"
     if objective not in ("time", "cost", "balanced"):
-        raise InputError("--objective", f"{objective!r} is not time, cost or balanced")
+        raise InputError(
+            "--objective", f"{objective!r} is not time, cost, tokens-per-dollar or balanced"
+        )
+    limits = constraints_from_options(
+        tp, pp, dp, micro_batch_size, virtual_stages, zero_stage, recompute, schedule,
+        sequence_parallel, flash_attention, gpu_types, memory_headroom, max_gpus,
+    )  # fmt: skip
     if precision is not None and precision not in PRECISIONS:
         raise InputError("--precision", f"{precision!r} is not fp32, tf32, bf16 or fp16")
     spec = load_model(model, seq_len)
     mk = load_market(market)
-    gpus = {o.gpu.name: o.gpu for o in mk.offers}.values()
+    allowed = None if limits.gpu_types is None else {t.lower() for t in limits.gpu_types}
+    gpus = {
+        o.gpu.name: o.gpu for o in mk.offers if allowed is None or o.gpu.name.lower() in allowed
+    }.values()
     if precision is None:  # plan's rule, over the market's GPU types
         precision = "bf16" if all(g.supports("bf16") for g in gpus) else "fp16"
     _tf32_note(gpus, precision, as_json)
@@ -706,6 +741,7 @@ def provision(
         terms,
         mixes=mixes,
         max_mix_plans=max_mix_plans,
+        limits=limits,
     )
     if plot is not None:
         write_pareto_plot(plot, res, constraints)

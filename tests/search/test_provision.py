@@ -244,3 +244,29 @@ def test_spot_recovery_term_uses_peer_first_model():
     assert spot_slowdown(offer, 2, large) > spot_slowdown(offer, 2, small)
     # with more surviving peers the replacement's share is smaller
     assert recovery_s(offer, 8, large) < recovery_s(offer, 2, large)
+
+
+def test_limits_hold_on_every_point_and_each_point_is_the_constrained_best():
+    from hetplan.search.constraints import PlanConstraints, homogeneous_space
+    from hetplan.search.homogeneous import search_homogeneous
+    from hetplan.search.provision import PROVISION_SPACE, provision
+
+    model = load_model("gpt2-medium")
+    limits = PlanConstraints(tp=(2,), micro_batch=(2,), gpu_types=("a100-80gb",), max_gpus=8)
+    res = provision(model, _market(), 1e9, 64, "fp16", prune=False, limits=limits)
+    assert res.points
+    for p in res.points:
+        assert set(p.gpus) == {"A100-80GB"} and sum(p.gpus.values()) <= 8
+        stages = [s for q in p.plan.pipelines for s in q.stages]
+        assert all(s.tp == 2 for s in stages) and p.plan.micro_batch_size == 2
+        # the same as the unconstrained search's best among plans with tp 2 and micro-batch 2
+        every = search_homogeneous(model, p.cluster, 64, "fp16", 100_000,
+                                   space=PROVISION_SPACE)  # fmt: skip
+        ok = [e for q, e in every.ranked
+              if all(s.tp == 2 for r in q.pipelines for s in r.stages)
+              and q.micro_batch_size == 2]  # fmt: skip
+        assert p.estimate.iteration_time_s == pytest.approx(ok[0].iteration_time_s, rel=1e-12)
+        assert homogeneous_space(limits, PROVISION_SPACE).zero_stages == (1, 2, 3)
+    with pytest.raises(InputError) as info:
+        provision(model, _market(), 1e9, 64, "fp16", limits=PlanConstraints(gpu_types=("H100",)))
+    assert info.value.field == "--gpu-types"

@@ -81,10 +81,15 @@ class PlanConstraints:
     """Only nodes of these GPU types are used (the cluster is cut to them)."""
     memory_headroom: float = 0.0
     """Share of each GPU's memory a plan must leave free."""
+    max_gpus: int | None = None
+    """At most this many GPUs: ``plan`` uses the cluster's first nodes holding at most this
+    many; ``provision`` rents no more."""
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.memory_headroom < 1.0:
             raise InputError("--memory-headroom", "must be a fraction in [0, 1), e.g. 0.1")
+        if self.max_gpus is not None and self.max_gpus < 1:
+            raise InputError("--max-gpus", "must be a positive integer")
         if self.zero_stage and max(self.zero_stage) > 3:
             raise InputError("--zero-stage", "ZeRO stages are 0, 1, 2 and 3")
 
@@ -99,7 +104,7 @@ class PlanConstraints:
         for name, value in self._items():
             if isinstance(value, bool):
                 out.append(f"--{'' if value else 'no-'}{name}")
-            elif isinstance(value, float):
+            elif isinstance(value, float | int):
                 out.append(f"--{name} {value:g}")
             else:
                 out.append(f"--{name} {_compact(value)}")
@@ -163,6 +168,17 @@ class PlanConstraints:
                     )
                 wanted.add(known[name.lower()])
             nodes = tuple(n for n in nodes if n.gpu.name in wanted)
+        if self.max_gpus is not None:
+            kept, total = [], 0
+            for n in nodes:
+                if total + n.gpus > self.max_gpus:
+                    break
+                kept.append(n)
+                total += n.gpus
+            if not kept:
+                raise InputError("--max-gpus", f"the first node alone has more than "
+                                 f"{self.max_gpus} GPUs")  # fmt: skip
+            nodes = tuple(kept)
         if self.memory_headroom > 0.0:
             keep = 1.0 - self.memory_headroom
             nodes = tuple(
@@ -197,6 +213,7 @@ def constraints_from_options(
     flash_attention: bool | None = None,
     gpu_types: str | None = None,
     memory_headroom: float | None = None,
+    max_gpus: int | None = None,
 ) -> PlanConstraints:
     """Returns the constraints of the CLI's options (text as the user typed it)."""
     types = None
@@ -217,6 +234,7 @@ def constraints_from_options(
         flash_attention=flash_attention,
         gpu_types=types,
         memory_headroom=0.0 if memory_headroom is None else memory_headroom,
+        max_gpus=max_gpus,
     )
 
 

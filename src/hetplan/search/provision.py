@@ -19,10 +19,12 @@ import numpy as np
 from hetplan.cluster import Cluster
 from hetplan.cost.estimate import Estimate
 from hetplan.cost.params import CostParams, default_params
+from hetplan.errors import InputError
 from hetplan.hardware import GPUType
 from hetplan.market import Market, Offer
 from hetplan.model import ModelSpec
 from hetplan.plan import Plan
+from hetplan.search.constraints import PlanConstraints, homogeneous_space
 from hetplan.search.homogeneous import (
     SearchMemo,
     SearchSpace,
@@ -150,6 +152,7 @@ class _Job:
     terms: SpotTerms
     prune: bool
     flash: bool
+    limits: PlanConstraints = field(default_factory=PlanConstraints)
 
     def unpack(self) -> tuple[ModelSpec, float, int, str, bool, CostParams, SpotTerms, bool, bool]:
         """Returns the fields in declaration order."""
@@ -174,8 +177,13 @@ def _single_type(job: _Job, offer: Offer, points: list[Point]) -> tuple[int, int
     peak = offer.gpu.peak_flops(precision) * _efficiency(model, offer, precision, params, flash)
     flops = _flops_to_train(model, tokens)
     price = offer.price(spot)
-    all_nodes = offer.cluster(offer.max_nodes, spot).nodes  # built once, sliced per count
-    for nodes in range(offer.max_nodes, 0, -1):
+    # built once (with the user's memory headroom), sliced per count
+    all_nodes = job.limits.apply_to_cluster(offer.cluster(offer.max_nodes, spot)).nodes
+    space = homogeneous_space(job.limits, PROVISION_SPACE)
+    most = offer.max_nodes
+    if job.limits.max_gpus is not None:
+        most = min(most, job.limits.max_gpus // offer.gpus_per_node)
+    for nodes in range(most, 0, -1):
         slow = spot_slowdown(offer, nodes, terms) if spot else 1.0
         if math.isinf(slow):
             continue
@@ -188,7 +196,7 @@ def _single_type(job: _Job, offer: Offer, points: list[Point]) -> tuple[int, int
         planned += 1
         cluster = Cluster(all_nodes[:nodes])
         found = search_homogeneous(model, cluster, global_batch, precision, top_k=1,
-                                   params=params, space=PROVISION_SPACE, flash_attention=flash,
+                                   params=params, space=space, flash_attention=flash,
                                    memo=memo)  # fmt: skip
         if not found.ranked:
             continue
@@ -310,11 +318,15 @@ def _mixes(
         if prune and _dominated(t_lb_, c_lb_, points):
             pruned += 1
             continue
-        planned += 1
         a, b, _, _, slow = pairs[pi]
         na_, nb_ = x + 1, y + 1
-        cluster = _mix_cluster(a, na_, b, nb_, spot)
-        res = search_heterogeneous(model, cluster, global_batch, precision, 1, params, flash)
+        most = job.limits.max_gpus
+        if most is not None and na_ * a.gpus_per_node + nb_ * b.gpus_per_node > most:
+            continue
+        planned += 1
+        cluster = job.limits.apply_to_cluster(_mix_cluster(a, na_, b, nb_, spot))
+        res = search_heterogeneous(model, cluster, global_batch, precision, 1, params, flash,
+                                   job.limits)  # fmt: skip
         if not res.ranked:
             continue
         plan, est = res.ranked[0]
@@ -406,10 +418,15 @@ def provision(
     flash_attention: bool = True,
     mixes: bool = False,
     max_mix_plans: int = 64,
+    limits: PlanConstraints | None = None,
 ) -> ProvisionResult:
     """Returns the time/cost front over the market's configurations (single types, and
     two-type mixes with ``mixes``) and the recommended point for ``objective`` (time, cost or
-    balanced) under ``constraints``."""
+    balanced) under ``constraints``; ``limits`` constrain the plans (as for ``plan``), the
+    GPU types and the number of GPUs rented."""
+    limits = limits or PlanConstraints()
+    if limits.flash_attention is not None:
+        flash_attention = limits.flash_attention
     start = time.process_time()
     params = params or default_params()
     terms = terms or SpotTerms()
@@ -422,8 +439,11 @@ def provision(
     offers = [
         o
         for o in market.offers
-        if o.gpu.supports(precision) and not (spot and o.spot_usd_per_gpu_hour is None)
-    ]
+        if o.gpu.supports(precision)
+        and not (spot and o.spot_usd_per_gpu_hour is None)
+        and (limits.gpu_types is None or o.gpu.name.lower() in
+             {t.lower() for t in limits.gpu_types})
+    ]  # fmt: skip
     # cheapest effective FLOP first: the low-cost end of the front prunes the rest early
     offers.sort(
         key=lambda o: (
@@ -434,7 +454,14 @@ def provision(
             )
         )
     )
-    job = _Job(model, tokens, global_batch, precision, spot, params, terms, prune, flash_attention)
+    if limits.gpu_types is not None:
+        sold = {o.gpu.name.lower() for o in market.offers}
+        for name in limits.gpu_types:
+            if name.lower() not in sold:
+                raise InputError("--gpu-types", f"the market sells no {name}")
+    # the offers are filtered by GPU type already: the clusters need only the rest
+    job = _Job(model, tokens, global_batch, precision, spot, params, terms, prune, flash_attention,
+               replace(limits, gpu_types=None))  # fmt: skip
     for offer in offers:
         a, b = _single_type(job, offer, points)
         planned += a
