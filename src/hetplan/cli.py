@@ -347,16 +347,15 @@ def _plan_search(
 def _infeasible(search: Any, limits: Any) -> tuple[str, str]:
     """Returns (option, reason) for a constrained search that found no plan: the first
     constraint without which a plan exists (each tried alone), else all of them."""
-    given = limits.described()
-    for text in given:
-        option = text.split()[0].replace("--no-", "--")
-        ranked = search(limits.without(option.removeprefix("--")), 1)[0]
+    for text, option, relaxed in limits.relaxations():
+        ranked = search(relaxed, 1)[0]
         if ranked:
             return option, (
                 f"no plan satisfies {text} with the other constraints; without it the best "
                 f"plan is {plan_label(ranked[0][0])}"
             )
-    return "plan", f"no plan satisfies {' '.join(given)}, nor any of them relaxed alone"
+    given = " ".join(limits.described())
+    return "plan", f"no plan satisfies {given}, nor any of them relaxed alone"
 
 
 def _print_baselines(best: Estimate, baselines: dict[str, Any]) -> None:

@@ -270,3 +270,13 @@ def test_limits_hold_on_every_point_and_each_point_is_the_constrained_best():
     with pytest.raises(InputError) as info:
         provision(model, _market(), 1e9, 64, "fp16", limits=PlanConstraints(gpu_types=("H100",)))
     assert info.value.field == "--gpu-types"
+
+
+def test_max_gpus_below_an_offers_node_leaves_that_offer_out():
+    from hetplan.search.constraints import PlanConstraints
+    from hetplan.search.provision import provision
+
+    # A100 nodes hold 8 GPUs: at most 4 GPUs leaves only T4 configurations (4 per node)
+    res = provision(load_model("gpt2-medium"), _market(), 1e9, 64, "fp16", prune=False,
+                    limits=PlanConstraints(max_gpus=4))  # fmt: skip
+    assert res.points and all(p.gpus == {"T4": 4} for p in res.points)

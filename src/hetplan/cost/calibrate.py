@@ -222,18 +222,21 @@ def _pick_pairs(runs: list[Run]) -> list[tuple[int, int, float, float]]:
         if len(members) < 2:
             continue
         sign = 1.0 if runs[members[0]].metric == "iter_time_s" else -1.0
-        best = min(members, key=lambda i: sign * float(runs[i].measured or 0.0))
+        value = {i: float(runs[i].measured or 0.0) for i in members}
+        best = min(members, key=lambda i: sign * value[i])
         for i in members:
-            gap = sign * math.log(
-                float(runs[i].measured or 0.0) / float(runs[best].measured or 1.0)
-            )
+            gap = sign * math.log(value[i] / value[best])
             if i != best and gap > 0.005:
                 pairs.append((best, i, gap, min(PICK_MARGIN, gap / 2)))
     return pairs
 
 
 def _residuals(
-    x: np.ndarray, runs: list[Run], base: CostParams, gpus: tuple[str, ...]
+    x: np.ndarray,
+    runs: list[Run],
+    base: CostParams,
+    gpus: tuple[str, ...],
+    pairs: list[tuple[int, int, float, float]],
 ) -> np.ndarray:
     params = _with_terms(base, gpus, x)
     out = []
@@ -244,7 +247,7 @@ def _residuals(
     # the measured best of each job must also be predicted best: a hinge on every pair the
     # prediction orders wrongly (out[i] - out[j] is the predicted log ratio minus the
     # measured one, so the predicted log gap is that plus the measured gap)
-    for best, other, measured_gap, margin in _pick_pairs(runs):
+    for best, other, measured_gap, margin in pairs:
         sign = 1.0 if runs[best].metric == "iter_time_s" else -1.0
         predicted_gap = measured_gap + sign * (out[other] - out[best])
         out.append(PICK_WEIGHT * max(0.0, margin - predicted_gap))
@@ -263,8 +266,9 @@ def _fit_group(
     """Returns ``base`` with the terms of ``gpus`` fitted jointly, from their priors."""
     x0, lo, hi = (np.concatenate([v] * len(gpus)) for v in _pack(_prior_eff()))
     # a tolerance of 1e-4 on log errors is far below the data's own noise (~1%)
-    sol = least_squares(_residuals, x0, bounds=(lo, hi), args=(runs, base, gpus),
-                        x_scale="jac", ftol=1e-4, xtol=1e-4, gtol=1e-4,
+    args = (runs, base, gpus, _pick_pairs(runs))  # the pairs depend on the runs alone
+    sol = least_squares(_residuals, x0, bounds=(lo, hi), args=args, x_scale="jac",
+                        ftol=1e-4, xtol=1e-4, gtol=1e-4,
                         max_nfev=max_nfev * len(gpus))  # fmt: skip
     return _with_terms(base, gpus, sol.x)
 

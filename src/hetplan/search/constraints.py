@@ -8,7 +8,7 @@ the plans that satisfy them (tested against the unconstrained ranking, filtered)
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from typing import Any, TypeVar
 
 from hetplan.cluster import Cluster
@@ -100,33 +100,27 @@ class PlanConstraints:
 
     def described(self) -> list[str]:
         """Returns each constraint as the option a user gave, e.g. ``--tp 8``."""
+        return [text for text, _, _ in self.relaxations()]
+
+    def relaxations(self) -> list[tuple[str, str, PlanConstraints]]:
+        """Returns, per constraint given, its text (``--tp 8``), its option (``--tp``) and
+        these constraints without it."""
         out = []
-        for name, value in self._items():
-            if isinstance(value, bool):
-                out.append(f"--{'' if value else 'no-'}{name}")
-            elif isinstance(value, float | int):
-                out.append(f"--{name} {value:g}")
-            else:
-                out.append(f"--{name} {_compact(value)}")
-        return out
-
-    def _items(self) -> list[tuple[str, object]]:
-        names = {"micro_batch": "micro-batch-size"}
-        out: list[tuple[str, object]] = []
-        for field_name in self.__dataclass_fields__:
-            value = getattr(self, field_name)
-            if value is None or (field_name == "memory_headroom" and value == 0.0):
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if value == f.default:
                 continue
-            out.append((names.get(field_name, field_name.replace("_", "-")), value))
+            option = "--" + ("micro-batch-size" if f.name == "micro_batch" else
+                             f.name.replace("_", "-"))  # fmt: skip
+            if isinstance(value, bool):
+                text = option if value else option.replace("--", "--no-", 1)
+            elif isinstance(value, float | int):
+                text = f"{option} {value:g}"
+            else:
+                text = f"{option} {_compact(value)}"
+            changes: dict[str, Any] = {f.name: f.default}
+            out.append((text, option, replace(self, **changes)))
         return out
-
-    def without(self, option: str) -> PlanConstraints:
-        """Returns these constraints without the one a user gave as ``--option``."""
-        names = {"micro-batch-size": "micro_batch"}
-        field_name = names.get(option, option.replace("-", "_"))
-        default: object = 0.0 if field_name == "memory_headroom" else None
-        changes: dict[str, Any] = {field_name: default}
-        return replace(self, **changes)
 
     def violation(self, plan: Plan) -> str | None:
         """Returns the first constraint ``plan`` breaks, as its option name, or None."""
@@ -241,7 +235,8 @@ def constraints_from_options(
 T = TypeVar("T")
 
 
-def _narrow(allowed: tuple[T, ...] | None, current: tuple[T, ...]) -> tuple[T, ...]:
+def narrow(allowed: tuple[T, ...] | None, current: tuple[T, ...]) -> tuple[T, ...]:
+    """Returns the values of ``current`` a constraint allows (all of them for None)."""
     return current if allowed is None else tuple(x for x in current if x in allowed)
 
 
@@ -268,8 +263,8 @@ def homogeneous_space(c: PlanConstraints, base: SearchSpace | None = None) -> Se
         dp=_meet(c.dp, base.dp),
         micro_batch=_meet(c.micro_batch, base.micro_batch),
         virtual_stages=_meet(c.virtual_stages, base.virtual_stages),
-        recompute=_narrow(c.recompute, base.recompute),
-        zero_stages=_narrow(c.zero_stage, base.zero_stages),
-        schedules=_narrow(c.schedule, base.schedules),
+        recompute=narrow(c.recompute, base.recompute),
+        zero_stages=narrow(c.zero_stage, base.zero_stages),
+        schedules=narrow(c.schedule, base.schedules),
         sequence_parallel=sp,
     )

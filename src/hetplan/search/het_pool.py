@@ -14,7 +14,7 @@ from hetplan.cost.estimate import Estimate, estimate
 from hetplan.cost.params import CostParams
 from hetplan.model import ModelSpec
 from hetplan.plan import Plan
-from hetplan.search.constraints import PlanConstraints
+from hetplan.search.constraints import PlanConstraints, narrow
 from hetplan.search.grouping import DeviceClass
 from hetplan.search.het_space import (
     MICRO_BATCHES,
@@ -79,8 +79,7 @@ class CandidatePool:
         return [t for t in tp_list if allowed is None or all(x in allowed for x in t)]
 
     def recompute_allowed(self, options: tuple[str, ...]) -> tuple[str, ...]:
-        allowed = self.constraints.recompute
-        return tuple(r for r in options if allowed is None or r in allowed)
+        return narrow(self.constraints.recompute, options)
 
     def schedules_allowed(self, options: list[tuple[str, int]]) -> list[tuple[str, int]]:
         c = self.constraints
@@ -92,8 +91,7 @@ class CandidatePool:
         ]
 
     def zeros_allowed(self, options: tuple[int, ...]) -> tuple[int, ...]:
-        allowed = self.constraints.zero_stage
-        return tuple(z for z in options if allowed is None or z in allowed)
+        return narrow(self.constraints.zero_stage, options)
 
     def sequence_parallel_for(self, any_tp: bool) -> bool:
         """Returns sequence parallelism for a plan (on wherever a stage has TP > 1, unless

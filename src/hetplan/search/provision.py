@@ -153,6 +153,9 @@ class _Job:
     prune: bool
     flash: bool
     limits: PlanConstraints = field(default_factory=PlanConstraints)
+    """Limits on each configuration's plan (GPU types and counts are the offers' business)."""
+    max_gpus: int | None = None
+    """No configuration rents more GPUs."""
 
     def unpack(self) -> tuple[ModelSpec, float, int, str, bool, CostParams, SpotTerms, bool, bool]:
         """Returns the fields in declaration order."""
@@ -181,8 +184,8 @@ def _single_type(job: _Job, offer: Offer, points: list[Point]) -> tuple[int, int
     all_nodes = job.limits.apply_to_cluster(offer.cluster(offer.max_nodes, spot)).nodes
     space = homogeneous_space(job.limits, PROVISION_SPACE)
     most = offer.max_nodes
-    if job.limits.max_gpus is not None:
-        most = min(most, job.limits.max_gpus // offer.gpus_per_node)
+    if job.max_gpus is not None:
+        most = min(most, job.max_gpus // offer.gpus_per_node)
     for nodes in range(most, 0, -1):
         slow = spot_slowdown(offer, nodes, terms) if spot else 1.0
         if math.isinf(slow):
@@ -275,6 +278,8 @@ def _mixes(
             t_lb = flops / (rate[a.name] * ga + rate[b.name] * gb) * slow
             c_lb = t_lb / 3600 * usd_hour
             ok = np.isfinite(t_lb)
+            if job.max_gpus is not None:
+                ok &= ga + gb <= job.max_gpus
             if prune:
                 dom = _dominated_mask(t_lb, c_lb, points) & ok
                 pruned += int(dom.sum())
@@ -320,9 +325,6 @@ def _mixes(
             continue
         a, b, _, _, slow = pairs[pi]
         na_, nb_ = x + 1, y + 1
-        most = job.limits.max_gpus
-        if most is not None and na_ * a.gpus_per_node + nb_ * b.gpus_per_node > most:
-            continue
         planned += 1
         cluster = job.limits.apply_to_cluster(_mix_cluster(a, na_, b, nb_, spot))
         res = search_heterogeneous(model, cluster, global_batch, precision, 1, params, flash,
@@ -459,9 +461,9 @@ def provision(
         for name in limits.gpu_types:
             if name.lower() not in sold:
                 raise InputError("--gpu-types", f"the market sells no {name}")
-    # the offers are filtered by GPU type already: the clusters need only the rest
+    # GPU types filter the offers and max_gpus caps the counts: the clusters take the rest
     job = _Job(model, tokens, global_batch, precision, spot, params, terms, prune, flash_attention,
-               replace(limits, gpu_types=None))  # fmt: skip
+               replace(limits, gpu_types=None, max_gpus=None), limits.max_gpus)  # fmt: skip
     for offer in offers:
         a, b = _single_type(job, offer, points)
         planned += a
