@@ -76,6 +76,12 @@ def main() -> None:
     """Fits every set, prints per-row tables and one summary table."""
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--write", action="store_true", help="write data/calibration.json")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="write the fitted terms to this file instead (implies --write)",
+    )
     parser.add_argument("--no-loo", action="store_true", help="skip cold leave-one-out")
     parser.add_argument("--workers", type=int, default=None)
     args = parser.parse_args()
@@ -120,7 +126,7 @@ def main() -> None:
         fitted_names = {g for p in fitted for g in p.gpus}
         fallback = sorted({g.name for g in catalog_gpus()} - fitted_names)
         console.print(f"fall back to default terms (no measured run): {', '.join(fallback)}")
-        if args.write:
+        if args.write or args.out:
             base, gh = fitted
             merged = base
             for gpu, eff in gh.gpus.items():
@@ -132,7 +138,10 @@ def main() -> None:
                 "measured); its compute terms stay at their priors",
             }
             merged = replace(merged, fit_report=report, compute=None)
-            out = Path(__file__).resolve().parents[1] / "src/hetplan/data/calibration.json"
+            out = (
+                args.out
+                or Path(__file__).resolve().parents[1] / "src/hetplan/data/calibration.json"
+            )
             merged.save(out)
             console.print(f"wrote {out}")
     console.print(f"took {time.perf_counter() - start_t:.0f} s")

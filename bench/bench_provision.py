@@ -18,7 +18,7 @@ from rich.table import Table
 
 from hetplan.market import load_market, market_from_dict
 from hetplan.model import load_model
-from hetplan.search.provision import provision
+from hetplan.search.provision import gpus_label, provision
 
 TYPES = [
     ("A100-80GB", 8, 3.43),
@@ -97,7 +97,7 @@ def correctness(console: Console, cases: int) -> None:
 def large_markets(console: Console) -> None:
     """Search time on a market of 8 types with up to 1,024 GPUs each."""
     table = Table(title="Search time, 8 GPU types x up to 1,024 GPUs each (CPU seconds)")
-    for col in ("model", "mixes", "planned", "pruned", "skipped", "front", "search s", "target"):
+    for col in ("model", "mixes", "planned", "pruned", "impossible", "front", "search s", "target"):
         table.add_column(col)
     market = market_from_dict(
         {
@@ -124,14 +124,13 @@ def large_markets(console: Console) -> None:
             1536 if "175" in name else 1024,
             "fp16",
             mixes=mixes,
-            max_mix_plans=16,
         )
         table.add_row(
             name,
             "yes" if mixes else "no",
             str(res.planned),
             str(res.pruned),
-            str(res.skipped),
+            str(res.impossible),
             str(len(res.front)),
             f"{res.search_time_s:.1f}",
             f"< {target}",
@@ -151,7 +150,7 @@ def gpt3_default_market(console: Console) -> None:
     for label, p in (("fastest", fastest), ("cheapest", cheapest)):
         table.add_row(
             label,
-            str(p.gpus),
+            gpus_label(p.gpus),
             f"{p.time_to_train_s / 86400:.1f}",
             f"{p.total_cost_usd:,.0f}",
             f"{p.usd_per_hour:,.2f}",
@@ -165,12 +164,149 @@ def gpt3_default_market(console: Console) -> None:
     )
 
 
+def default_market_spot_mixes(console: Console, model_name: str, tokens: float) -> None:
+    """Issue 14: `provision --spot --mixes` on the default market, every mix explored or
+    pruned by a proven bound (target < 30 s)."""
+    model = load_model(model_name)
+    wall = time.perf_counter()
+    res = provision(model, load_market(None), tokens, model.default_global_batch, "fp16",
+                    spot=True, mixes=True)  # fmt: skip
+    wall = time.perf_counter() - wall
+    table = Table(title="provision --spot --mixes, default market (every mix explored or pruned)")
+    for col in ("model", "planned", "pruned", "impossible", "front", "CPU s", "wall s", "target"):
+        table.add_column(col)
+    cells = (res.planned, res.pruned, res.impossible, len(res.front))
+    table.add_row(model_name, *map(str, cells), f"{res.search_time_s:.1f}", f"{wall:.1f}", "< 30 s")
+    console.print(table)
+
+
+def default_market_mixes_limited(console: Console, limit: str) -> None:
+    """Issue 14: the whole command `provision --model gpt3-1.3b --spot --mixes --time-limit`
+    on the default market, timed from process start to exit (wall, and the child's CPU):
+    what was planned, pruned and impossible, the mixes the limit left, and the best any of
+    them could reach against the front found (its proven bounds)."""
+    import json
+    import resource
+    import subprocess
+
+    cmd = [sys.executable, "-m", "hetplan", "provision", "--model", "gpt3-1.3b", "--tokens",
+           "20e9", "--spot", "--mixes", "--precision", "fp16", "--json"]  # fmt: skip
+    if limit != "none":
+        cmd += ["--time-limit", limit]
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    wall = time.perf_counter() - start
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    table = Table(title=f"provision --spot --mixes on the default market, --time-limit {limit} "
+                  "(whole command)")  # fmt: skip
+    for col in ("planned", "pruned", "impossible", "unexplored", "front",
+                "fastest: front / best unexplored bound", "cheapest: front / best unexplored bound",
+                "wall s", "CPU s", "target"):  # fmt: skip
+        table.add_column(col)
+    if proc.returncode != 0:
+        console.print(f"provision failed (exit {proc.returncode}): {proc.stderr.strip()[-300:]}")
+        return
+    out = json.loads(proc.stdout)
+    left = out["unexplored"]
+    hours = [p["time_to_train_s"] / 3600 for p in out["front"]]
+    usd = [p["total_cost_usd"] for p in out["front"]]
+    fast = min((u["time_bound_s"] / 3600 for u in left), default=float("nan"))
+    cheap = min((u["cost_bound_usd"] for u in left), default=float("nan"))
+    table.add_row(
+        str(out["configurations_planned"]), str(out["configurations_pruned"]),
+        str(out["configurations_impossible"]), str(len(left)), str(len(out["front"])),
+        f"{min(hours):.2f} h / {fast:.2f} h", f"${min(usd):,.0f} / ${cheap:,.0f}",
+        f"{wall:.1f}", f"{cpu:.1f}", "< 30 s, none unexplored",
+    )  # fmt: skip
+    console.print(table)
+
+
+def owned_and_rented(console: Console) -> None:
+    """Issue 17: GPT-3 13B on 1e11 tokens over 32 owned A100-40GB + rented H100-80GB (a small
+    market), the front against exhaustive enumeration (no pruning), and the whole command."""
+    import resource
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    from hetplan.cluster import cluster_from_dict
+
+    owned_yaml = "nodes:\n  - {gpu: A100-40GB, gpus: 8, count: 4, owned: true}\n"
+    market = {"offers": [{"gpu": "H100-80GB", "gpus_per_node": 8, "max_nodes": 4,
+                          "on_demand_usd_per_gpu_hour": 6.88}]}  # fmt: skip
+    model = load_model("gpt3-13b")
+    owned = cluster_from_dict({"nodes": [{"gpu": "A100-40GB", "gpus": 8, "count": 4,
+                                          "owned": True}]})  # fmt: skip
+    fast = provision(model, market_from_dict(market), 1e11, 1024, "fp16", owned=owned)
+    full = provision(model, market_from_dict(market), 1e11, 1024, "fp16", owned=owned,
+                     prune=False)  # fmt: skip
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "owned.yaml").write_text(owned_yaml)
+        import yaml
+
+        (Path(tmp) / "m.yaml").write_text(yaml.safe_dump(market))
+        start = time.perf_counter()
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
+        proc = subprocess.run(
+            [sys.executable, "-m", "hetplan", "provision", "-m", "gpt3-13b", "--tokens", "1e11",
+             "--cluster", str(Path(tmp) / "owned.yaml"), "--market", str(Path(tmp) / "m.yaml"),
+             "--precision", "fp16", "--json"],
+            capture_output=True, text=True, check=False,
+        )  # fmt: skip
+        command_s = time.perf_counter() - start
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        cpu_s = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    table = Table(title="GPT-3 13B, 1e11 tokens: 32 owned A100-40GB + up to 32 rented H100")
+    for col in ("point", "days", "total $", "$/hour", "non-dominated", "command wall/CPU s",
+                "target"):  # fmt: skip
+        table.add_column(col)
+    for p in fast.front:
+        others = [q for q in full.points if q is not p]
+        ok = not any(q.time_to_train_s <= p.time_to_train_s and q.total_cost_usd <
+                     p.total_cost_usd * (1 - 1e-9) for q in others)  # fmt: skip
+        label = " + ".join([f"{n} x {g} (owned)" for g, n in p.owned.items()]
+                           + [f"{n} x {g}" for g, n in p.gpus.items()])  # fmt: skip
+        table.add_row(label, f"{p.time_to_train_s / 86400:.2f}", f"{p.total_cost_usd:,.0f}",
+                      f"{p.usd_per_hour:,.2f}", "yes" if ok else "NO",
+                      f"{command_s:.1f} / {cpu_s:.1f} (exit {proc.returncode})",
+                      "< 15 s")  # fmt: skip
+    console.print(table)
+    same = [(p.gpus, p.time_to_train_s) for p in fast.front] == [
+        (p.gpus, p.time_to_train_s) for p in full.front
+    ]
+    counts = f"{fast.planned} planned, {fast.pruned} pruned; exhaustive {full.planned}"
+    console.print(f"pruned front equals the exhaustive front: {'yes' if same else 'NO'} ({counts})")
+    console.print(f"recommended: {fast.reason}")
+
+
+def break_even_by_hand(console: Console) -> None:
+    """Issue 17: a hand-computed break-even utilisation against money.py."""
+    from hetplan.cost.money import Ownership, break_even_utilisation
+
+    own = Ownership(25_000.0, 5.0, 0.7, 400.0, 1.0, 1.5, 0.10)
+    got = break_even_utilisation(own, 2.06)
+    hand = 25_000 / (5 * 8760 * (2.06 - 0.4 * 1.0 * 1.5 * 0.10))
+    console.print(f"break-even by hand {hand:.12f}, money.py {got:.12f}, "
+                  f"difference {abs(got - hand):.1e} (target < 1e-9)")  # fmt: skip
+
+
 def main() -> None:
-    """Prints the three tables."""
+    """Prints the tables (--quick: fewer cases; --mixes-default MODEL: the default market's
+    spot mixes, which can take long; --mixes LIMIT: the whole `provision --spot --mixes`
+    command on the default market with --time-limit LIMIT, or none)."""
     console = Console(width=200)
     quick = "--quick" in sys.argv
     correctness(console, 5 if quick else 12)
     gpt3_default_market(console)
+    break_even_by_hand(console)
+    owned_and_rented(console)
+    if "--mixes" in sys.argv:
+        default_market_mixes_limited(console, sys.argv[sys.argv.index("--mixes") + 1])
+    if "--mixes-default" in sys.argv:
+        name = sys.argv[sys.argv.index("--mixes-default") + 1]
+        default_market_spot_mixes(console, name, 20e9)
     if not quick:
         large_markets(console)
 

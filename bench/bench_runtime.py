@@ -1,7 +1,10 @@
-"""Predicted against measured step time: profile this CPU, then run plans on 2 processes.
+"""Predicted against measured step time and peak memory: profile this CPU, then run plans
+on 2 processes: the parallel layouts, each plan feature the runtime honours (ZeRO-1/2/3,
+recomputation, bf16, sequence parallelism), and the dp2 plan through ``launch --elastic``.
 
 The profile measures what a training step runs here (layers, embedding, head with loss,
-AdamW step, gloo point-to-point and all-reduce, the pipelining overhead, TP collectives);
+AdamW step, gloo point-to-point and all-reduce, the pipelining overhead, TP collectives
+with and without sequence parallelism, a ZeRO-3 layer's gathers and reduce-scatters);
 ``estimate`` predicts each plan from it. Each plan runs ``--repeats`` times; the measured
 time is the median of the runs' median step times. The load average (1 min) is read
 before and after each run: other jobs on this machine inflate the measurements, so the
@@ -17,11 +20,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
 import threading
+from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import torch
 from rich.console import Console
@@ -55,9 +61,23 @@ PLANS = {
     "pp2 Interleaved1F1B": ("Interleaved1F1B", 2, 2, [(8, [(2, [A]), (2, [B])])]),
     "tp2": ("1F1B", 2, 1, [(8, [(4, [A, B])])]),
 }
+DP2 = [(4, [(4, [A])]), (4, [(4, [B])])]
+ELASTIC = " --elastic"
+# plan features: name -> (schedule, micro-batch, virtual stages, pipelines, plan fields)
+FEATURES = {
+    "dp2 zero1": ("1F1B", 2, 1, DP2, {"zero_stage": 1}),
+    "dp2 zero2": ("1F1B", 2, 1, DP2, {"zero_stage": 2}),
+    "dp2 zero3": ("1F1B", 2, 1, DP2, {"zero_stage": 3}),
+    "dp2 full recompute": ("1F1B", 2, 1, DP2, {"recompute": "full"}),
+    "dp2 selective recompute": ("1F1B", 2, 1, DP2, {"recompute": "selective"}),
+    "dp2 bf16": ("1F1B", 2, 1, DP2, {"precision": "bf16"}),
+    "tp2 sequence parallel": ("1F1B", 2, 1, [(8, [(4, [A, B])])], {"sequence_parallel": True}),
+}
 
 
-def write_plan(path: Path, schedule: str, mb: int, v: int, pipes: list) -> Path:
+def write_plan(
+    path: Path, schedule: str, mb: int, v: int, pipes: list, fields: dict | None = None
+) -> Path:
     """Writes one bench plan."""
     data = {
         "global_batch_size": sum(b for b, _ in pipes),
@@ -73,6 +93,7 @@ def write_plan(path: Path, schedule: str, mb: int, v: int, pipes: list) -> Path:
     }
     if v > 1:
         data["virtual_stages"] = v
+    data.update(fields or {})
     path.write_text(json.dumps(data))
     return path
 
@@ -93,7 +114,8 @@ def write_cluster(path: Path, db: ProfileDB) -> Path:
     tflops, gbps = figures
     path.write_text(
         "gpu_types:\n"
-        f"  cpu: {{fp16_tflops: {tflops:.4f}, fp32_tflops: {tflops:.4f}, memory_gb: 16, "
+        f"  cpu: {{fp16_tflops: {tflops:.4f}, bf16_tflops: {tflops:.4f}, "
+        f"fp32_tflops: {tflops:.4f}, memory_gb: 16, "
         f"hbm_gbyte_per_s: {gbps:.2f}}}\n"
         "nodes:\n  - {name: host, gpu: cpu, gpus: 2, intra_node_bandwidth: 2 GB/s}\n"
     )
@@ -189,11 +211,16 @@ def run_bench(args: argparse.Namespace, console: Console) -> int:
     model_path.write_text(json.dumps(MODEL))
     model = load_model(str(model_path))
     torch.set_num_threads(1)
-    names = args.only.split(",") if args.only else list(PLANS)
+    every: dict[str, tuple[Any, ...]] = {**{k: (*v, {}) for k, v in PLANS.items()}, **FEATURES}
+    every["dp2" + ELASTIC] = every["dp2"]  # the same plan through launch --elastic
+    names = args.only.split(",") if args.only else list(every)
     plans = {}
     for name in names:
-        schedule, mb, v, pipes = PLANS[name]
-        plans[name] = write_plan(root / f"{name.replace(' ', '_')}.json", schedule, mb, v, pipes)
+        schedule, mb, v, pipes, fields = every[name]
+        path = root / f"{name.replace(' ', '_')}.json"
+        plans[name] = write_plan(path, schedule, mb, v, pipes, fields)
+    mem_pred: dict[str, float] = {}
+    mem_meas: dict[str, list[float]] = {n: [] for n in names}
     pred: dict[str, list[float]] = {n: [] for n in names}
     meas: dict[str, list[float]] = {n: [] for n in names}
     loads: dict[str, list[float]] = {n: [] for n in names}
@@ -223,7 +250,18 @@ def run_bench(args: argparse.Namespace, console: Console) -> int:
                 warmup_steps=2,
             )
             loads[name].append(os.getloadavg()[0])
-            meas[name].append(run_local(cfg)["measured_step_time_s"])
+            if name.endswith(ELASTIC):
+                from hetplan.elastic.elastic_run import run_elastic
+
+                work = root / f"elastic_{k}"
+                shutil.rmtree(work, ignore_errors=True)
+                local = replace(cfg, local_dir=str(work / "local"), storage=str(work / "store"))
+                record = run_elastic(local, 1e9)
+            else:
+                record = run_local(cfg)
+            meas[name].append(record["measured_step_time_s"])
+            mem_meas[name].append(max(record["peak_memory_bytes"].values()))
+            mem_pred[name] = est.max_memory_bytes
             loads[name].append(os.getloadavg()[0])
             pred[name].append(est.iteration_time_s)
             sources[name] = est.compute_source
@@ -234,7 +272,17 @@ def run_bench(args: argparse.Namespace, console: Console) -> int:
         title=f"predicted vs measured step time, 2 CPU processes x 1 thread, median of "
         f"{args.repeats} rounds ({root})"
     )
-    cols = ("plan", "predicted s", "measured s", "error", "per-round error", "load", "source")
+    cols = (
+        "plan",
+        "predicted s",
+        "measured s",
+        "error",
+        "per-round error",
+        "load",
+        "source",
+        "pred. MB",
+        "meas. MB",
+    )
     for col in cols:
         table.add_column(col, justify="right")
     worst = 0.0
@@ -251,6 +299,8 @@ def run_bench(args: argparse.Namespace, console: Console) -> int:
             rounds,
             f"{min(loads[name]):.1f}-{max(loads[name]):.1f}",
             sources[name],
+            f"{mem_pred[name] / 1e6:.1f}",
+            f"{statistics.median(mem_meas[name]) / 1e6:.1f}",
         )
     console.print(table)
     console.print(

@@ -49,13 +49,14 @@ def test_plan_json_and_files(tmp_path):
         "hardware_tflops_per_gpu",
         "mfu",
         "fits",
-        "peak_memory_gb",
+        "max_peak_memory_gb",
         "cost_usd_per_hour",
         "breakdown",
         "plan",
     ):
         assert key in first
-    assert len(first["peak_memory_gb"]) == 16
+    # per distinct stage: its replicas times its TP group cover the 16 GPUs once
+    assert sum(s["replicas"] * s["tp"] for s in first["stages"]) == 16
     assert json.loads(out.read_text())["pipelines"]
     events = json.loads(trace.read_text())["traceEvents"]
     assert any(e.get("cat") == "backward" for e in events)
@@ -75,7 +76,27 @@ def test_plan_table():
         "fp16",
     )
     assert res.returncode == 0, res.stderr
-    assert "MFU" in res.stdout and "Iteration breakdown" in res.stdout
+    header = next(line for line in res.stdout.splitlines() if "┃ # ┃" in line)
+    names = [c.strip() for c in header.strip("┃").split("┃")]
+    rows = [
+        dict(zip(names, (c.strip() for c in line.strip("│").split("│")), strict=True))
+        for line in res.stdout.splitlines()
+        if line.startswith("│") and len(line.split("│")) == len(names) + 2
+    ]
+    assert len(rows) == 5
+    # by hand: a GPT layer's forward is 24 h^2 matmul FLOPs and 4 s h attention FLOPs per
+    # token, the logits 2 h V; forward and backward are three forwards (Narayanan et al.
+    # 2021: 72 l h^2 (1 + s/6h + V/12lh)); peak: 16 T4 at 65 TFLOP/s (FP16 datasheet)
+    layers, hidden, seq, vocab = 24, 1024, 1024, 50257
+    flops_per_token = 3 * (layers * (24 * hidden**2 + 4 * seq * hidden) + 2 * hidden * vocab)
+    assert flops_per_token == 2_422_708_224
+    for row in rows:
+        tokens_per_s = float(row["tokens/s"].replace(",", ""))
+        iteration_s = float(row["iter s"])
+        assert tokens_per_s == pytest.approx(32 * 1024 / iteration_s, rel=1e-3)  # 3 decimals
+        mfu_pct = 100 * tokens_per_s * flops_per_token / (16 * 65e12)
+        assert float(row["MFU"].rstrip("%")) == pytest.approx(mfu_pct, abs=0.051)
+    assert "Iteration breakdown" in res.stdout
 
 
 def test_predict_flags_and_plan_file(tmp_path):

@@ -6,6 +6,7 @@ import dataclasses
 import json
 import logging
 import os
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -44,6 +45,12 @@ PrecOpt = Annotated[
     typer.Option("--precision", help="fp32, tf32, bf16 or fp16 (default: bf16 where supported)"),
 ]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object")]
+BatchOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--global-batch-size", "-b", help="Sequences per iteration (default: the model's)"
+    ),
+]
 TraceOpt = Annotated[Path | None, typer.Option("--trace", help="Write a Chrome-trace JSON")]
 TimelineOpt = Annotated[Path | None, typer.Option("--timeline", help="Write a timeline PNG")]
 ParamsOpt = Annotated[
@@ -79,11 +86,14 @@ ScheduleLimit = Annotated[
 ]
 SpLimit = Annotated[
     bool | None,
-    typer.Option("--sequence-parallel/--no-sequence-parallel", help="(default: searched)"),
+    typer.Option(
+        "--sequence-parallel/--no-sequence-parallel",
+        help="Sequence parallelism (default: searched)",
+    ),
 ]
 FlashLimit = Annotated[
     bool | None,
-    typer.Option("--flash-attention/--no-flash-attention", help="(default: on)"),
+    typer.Option("--flash-attention/--no-flash-attention", help="Flash attention (default: on)"),
 ]
 GpuTypesLimit = Annotated[
     str | None, typer.Option("--gpu-types", help="Use only these GPU types, e.g. A100-80GB,T4")
@@ -168,7 +178,7 @@ def _precision(cluster: Cluster, precision: str | None) -> str:
     if precision is None:
         return "bf16" if all(g.supports("bf16") for g in cluster.gpu_types_used()) else "fp16"
     if precision not in PRECISIONS:
-        raise InputError("--precision", f"{precision!r} is not fp32, tf32, bf16 or fp16")
+        raise InputError("--precision", f"'{precision}' is not fp32, tf32, bf16 or fp16")
     for gpu in cluster.gpu_types_used():
         if not gpu.supports(precision):
             raise InputError("--precision", f"{gpu.name} has no {precision} support")
@@ -218,12 +228,20 @@ def _no_fit_message(min_bytes: float, cluster: Cluster) -> str:
 def plan(
     model: ModelOpt,
     cluster: ClusterOpt,
-    global_batch_size: Annotated[int | None, typer.Option("--global-batch-size", "-b")] = None,
+    global_batch_size: BatchOpt = None,
     seq_len: SeqOpt = None,
     precision: PrecOpt = None,
     top: Annotated[int, typer.Option("--top", "-k", help="How many plans to show")] = 5,
     out_path: Annotated[Path | None, typer.Option("--out", "-o", help="Write best plan")] = None,
     as_json: JsonOpt = False,
+    expand: Annotated[
+        bool,
+        typer.Option(
+            "--expand",
+            help="Write plans with every device listed (and --json: each device's peak "
+            "memory) instead of repeated pipelines as one entry",
+        ),
+    ] = False,
     trace: TraceOpt = None,
     timeline: TimelineOpt = None,
     heterogeneous: Annotated[
@@ -269,7 +287,10 @@ def plan(
         raise InputError("--top", "must be positive")
     start = time.perf_counter()
     search = _plan_search(spec, cl, batch, prec, params, heterogeneous)
-    ranked, min_mem, result, baselines = search(limits, top)
+    from hetplan.report.progress import ProgressBar
+
+    with ProgressBar.for_cli(as_json) as bar:  # after a second, on a terminal, not --json
+        ranked, min_mem, result, baselines = search(limits, top, bar)
     elapsed = time.perf_counter() - start
     if not ranked:
         if limits.active:
@@ -278,7 +299,7 @@ def plan(
         raise InputError("plan", _no_fit_message(min_mem, cl))
     best_plan, best_est = ranked[0]
     if out_path is not None:
-        best_plan.save(out_path)
+        best_plan.save(out_path, compact=not expand)
     _write_pictures(best_plan, spec, cl, params, trace, timeline)
     if as_json:
         result.update(
@@ -287,7 +308,7 @@ def plan(
                 "global_batch_size": batch,
                 "precision": prec,
                 "constraints": limits.described(),
-                "plans": [estimate_json(p, e) for p, e in ranked],
+                "plans": [estimate_json(p, e, expand) for p, e in ranked],
                 "search_time_s": elapsed,
                 "warnings": best_est.warnings,
             }
@@ -323,19 +344,19 @@ def _plan_search(
     fields, baselines) running the search a cluster calls for."""
     from hetplan.search.constraints import PlanConstraints, homogeneous_space
 
-    def run(limits: PlanConstraints, top: int) -> SearchOutcome:
+    def run(limits: PlanConstraints, top: int, progress: Any = None) -> SearchOutcome:
         flash = True if limits.flash_attention is None else limits.flash_attention
         if cl.is_homogeneous() and not heterogeneous:
             from hetplan.search.homogeneous import search_homogeneous
 
             res = search_homogeneous(spec, cl, batch, prec, top, params,
                                      space=homogeneous_space(limits),
-                                     flash_attention=flash)  # fmt: skip
+                                     flash_attention=flash, progress=progress)  # fmt: skip
             extra = {"candidates": res.candidates, "fitting": res.fitting}
             return res.ranked, res.min_memory_bytes, extra, None
         from hetplan.search.heterogeneous import search_heterogeneous
 
-        hres = search_heterogeneous(spec, cl, batch, prec, top, params, flash, limits)
+        hres = search_heterogeneous(spec, cl, batch, prec, top, params, flash, limits, progress)
         baselines = {
             k: (None if v is None else estimate_json(*v)) for k, v in hres.baselines.items()
         }
@@ -392,11 +413,17 @@ def predict(
     model: ModelOpt,
     cluster: ClusterOpt,
     plan_path: Annotated[Path | None, typer.Option("--plan", help="Plan JSON file")] = None,
-    tp: Annotated[int | None, typer.Option("--tp")] = None,
-    pp: Annotated[int | None, typer.Option("--pp")] = None,
-    dp: Annotated[int | None, typer.Option("--dp")] = None,
-    micro_batch_size: Annotated[int | None, typer.Option("--micro-batch-size")] = None,
-    global_batch_size: Annotated[int | None, typer.Option("--global-batch-size", "-b")] = None,
+    tp: Annotated[
+        int | None, typer.Option("--tp", help="Tensor-parallel degree (without --plan)")
+    ] = None,
+    pp: Annotated[int | None, typer.Option("--pp", help="Pipeline stages (without --plan)")] = None,
+    dp: Annotated[
+        int | None, typer.Option("--dp", help="Data-parallel replicas (without --plan)")
+    ] = None,
+    micro_batch_size: Annotated[
+        int | None, typer.Option("--micro-batch-size", help="Sequences per micro-batch")
+    ] = None,
+    global_batch_size: BatchOpt = None,
     recompute: Annotated[
         str | None, typer.Option("--recompute", help="none, selective or full (default: none)")
     ] = None,
@@ -406,17 +433,25 @@ def predict(
     virtual_stages: Annotated[
         int | None, typer.Option("--virtual-stages", help="Model chunks per stage (default: 1)")
     ] = None,
+    layout: Annotated[
+        str | None,
+        typer.Option(
+            "--layout",
+            help="Layers per stage and chunk, with --tp/--pp/--dp: a Megatron-Core layout "
+            "string such as 'Et*3|(t*4|)*30,t*3L' or a JSON list per stage such as "
+            "'[[3,4],[4,4],[4,3]]' (default: even)",
+        ),
+    ] = None,
     zero_stage: Annotated[
         int | None, typer.Option("--zero-stage", help="0, 1, 2 or 3 (default: 0)")
     ] = None,
     sequence_parallel: Annotated[
         bool | None,
-        typer.Option("--sequence-parallel/--no-sequence-parallel", help="(default: off)"),
+        typer.Option(
+            "--sequence-parallel/--no-sequence-parallel", help="Sequence parallelism (default: off)"
+        ),
     ] = None,
-    flash_attention: Annotated[
-        bool | None,
-        typer.Option("--flash-attention/--no-flash-attention", help="(default: on)"),
-    ] = None,
+    flash_attention: FlashLimit = None,
     overlap_tp_comm: Annotated[
         bool | None,
         typer.Option(
@@ -464,7 +499,9 @@ def predict(
         if v is not None
     }
     if plan_path is not None:
-        the_plan = load_plan(plan_path)
+        if layout is not None:
+            raise InputError("--layout", "applies to --tp/--pp/--dp; a plan file states 'chunks'")
+        the_plan = load_plan(plan_path, cl)
         if precision is not None:
             knobs["precision"] = _precision(cl, precision)
         if knobs:  # validate_plan (in estimate) checks the values
@@ -514,6 +551,8 @@ def predict(
             precision=_precision(cl, precision),
             **knobs,
         )
+        if layout is not None:
+            the_plan = _with_layout(the_plan, layout, spec.layers, virtual_stages)
     if precision is not None:
         _tf32_note(cl.gpu_types_used(), the_plan.precision, as_json)
     est = estimate(the_plan, spec, cl, params)
@@ -525,11 +564,26 @@ def predict(
     _print_warnings(est.warnings)
     out.print(breakdown_table(est))
     if not est.fits:
-        worst = max(est.stages, key=lambda s: s.memory.total - s.capacity_bytes)
+        worst = max(est.distinct_stages, key=lambda s: s.memory.total - s.capacity_bytes)
         out.print(
             f"[bold red]does not fit[/]: {worst.devices[0]} needs "
             f"{worst.memory.total / 1e9:.1f} GB of {worst.capacity_bytes / 1e9:.1f} GB"
         )
+
+
+def _with_layout(plan: Plan, text: str, layers: int, virtual_stages: int | None) -> Plan:
+    """Returns ``plan`` with the stages and chunks of ``predict --layout``."""
+    from hetplan.chunk_layout import apply_layout, parse_layout
+
+    stages = parse_layout(text, len(plan.pipelines[0].stages))
+    v, total = len(stages[0]), sum(sum(ch) for ch in stages)
+    if virtual_stages is not None and virtual_stages != v:
+        raise InputError(
+            "--layout", f"has {v} chunks per stage, but --virtual-stages is {virtual_stages}"
+        )
+    if total != layers:
+        raise InputError("--layout", f"places {total} layers, the model has {layers}")
+    return apply_layout(plan, stages)
 
 
 @app.command()
@@ -538,6 +592,9 @@ def explain(
     model: ModelOpt,
     cluster: ClusterOpt,
     seq_len: SeqOpt = None,
+    precision: Annotated[
+        str | None, typer.Option("--precision", help="Override the plan's precision")
+    ] = None,
     as_json: JsonOpt = False,
     params_path: ParamsOpt = None,
     profile_path: ProfileOpt = None,
@@ -548,7 +605,9 @@ def explain(
 
     spec = load_model(model, seq_len)
     cl = load_cluster(cluster)
-    the_plan = load_plan(plan_path)
+    the_plan = load_plan(plan_path, cl)
+    if precision is not None:
+        the_plan = dataclasses.replace(the_plan, precision=_precision(cl, precision))
     info = explain_plan(the_plan, spec, cl, load_cost(params_path, profile_path))
     if as_json:
         print_json(info)
@@ -571,7 +630,9 @@ def calibrate(
             "manifest of plan files with measured iteration times",
         ),
     ],
-    out_path: Annotated[Path | None, typer.Option("--out", help="Write fitted parameters")] = None,
+    out_path: Annotated[
+        Path | None, typer.Option("--out", "-o", help="Write fitted parameters")
+    ] = None,
     as_json: JsonOpt = False,
     profile_path: ProfileOpt = None,
     loo: Annotated[
@@ -622,13 +683,25 @@ def calibrate(
     terms = fitted_terms_table({"fitted_terms": fitted.fit_report.get("terms", {})})
     if terms is not None:
         out.print(terms)
-    out.print(
-        ", ".join(
-            f"{k}: {v:.3g}" if isinstance(v, float) else f"{k}: {v}" for k, v in summary.items()
-        )
-    )
+    out.print(", ".join(f"{k}: {_readable(v)}" for k, v in summary.items()), highlight=False)
     if out_path is not None:
         out.print(f"parameters written to {out_path}")
+
+
+def _readable(value: Any) -> str:
+    """Returns a value as a person writes it: numbers to 3 figures, mappings as 'key value'
+    pairs and lists as comma-separated items (never a Python repr)."""
+    if isinstance(value, float):
+        return f"{value:.3g}"
+    if isinstance(value, dict):
+        return "(" + ", ".join(f"{k} {_readable(v)}" for k, v in value.items()) + ")"
+    if isinstance(value, list | tuple):
+        return ", ".join(_readable(v) for v in value)
+    return str(value)
+
+
+MIX_TIME_LIMIT_S = 300.0
+"""How long ``provision --mixes`` plans mixes unless ``--time-limit`` says otherwise."""
 
 
 @app.command()
@@ -640,22 +713,63 @@ def provision(
     ] = None,
     deadline: Annotated[str | None, typer.Option("--deadline", help="e.g. 30d, 12h")] = None,
     budget_usd: Annotated[str | None, typer.Option("--budget-usd", help="e.g. 2e6")] = None,
-    max_usd_per_hour: Annotated[str | None, typer.Option("--max-usd-per-hour")] = None,
+    max_usd_per_hour: Annotated[
+        str | None, typer.Option("--max-usd-per-hour", help="Price cap per hour, e.g. 500")
+    ] = None,
     objective: Annotated[
         str,
         typer.Option("--objective", help="time, cost (= tokens-per-dollar) or balanced"),
     ] = "balanced",
-    spot: Annotated[bool, typer.Option("--spot", help="Rent spot instances")] = False,
+    spot: Annotated[
+        bool, typer.Option("--spot", help="Rent spot instances (= --pricing spot)")
+    ] = False,
+    pricing: Annotated[
+        str | None,
+        typer.Option(
+            "--pricing",
+            help="on-demand, reserved (offers' reserved_usd_per_gpu_hour; offers without one "
+            "are left out and named) or spot (preemptions priced in)  [default: on-demand]",
+        ),
+    ] = None,
     mixes: Annotated[
         bool, typer.Option("--mixes", help="Also search two-type mixes (heterogeneous planner)")
     ] = False,
-    max_mix_plans: Annotated[
-        int, typer.Option("--max-mix-plans", help="Cap on mixes planned after bounding")
-    ] = 64,
+    owned_path: Annotated[
+        str | None,
+        typer.Option(
+            "--cluster",
+            help="Nodes you own (cluster file, nodes marked owned: true): every configuration "
+            "trains on them and the market only adds",
+        ),
+    ] = None,
+    compare_buy: Annotated[
+        bool,
+        typer.Option(
+            "--compare-buy",
+            help="Per GPU type: the utilisation above which buying beats renting (--plot: "
+            "cumulative cost against runs)",
+        ),
+    ] = False,
+    runs_per_year: Annotated[
+        float, typer.Option("--runs-per-year", help="--compare-buy: runs of this size a year")
+    ] = 1.0,
     checkpoint_interval: Annotated[
-        str, typer.Option("--checkpoint-interval", help="Spot: work lost is half of it")
-    ] = "30m",
-    global_batch_size: Annotated[int | None, typer.Option("--global-batch-size", "-b")] = None,
+        str | None,
+        typer.Option(
+            "--checkpoint-interval",
+            help="Spot: training time between checkpoints (work lost is half of it); default: "
+            "Young's optimum sqrt(2 C M) per configuration",
+        ),
+    ] = None,
+    time_limit: Annotated[
+        str | None,
+        typer.Option(
+            "--time-limit",
+            help="Stop planning mixes after this long (e.g. 30s, 5m) and list the mixes left "
+            "with their bounds; 'none' plans every mix  [default: 5m]",
+        ),
+    ] = None,
+    global_batch_size: BatchOpt = None,
     seq_len: SeqOpt = None,
     precision: Annotated[
         str | None,
@@ -700,14 +814,14 @@ def provision(
         objective = "cost"
     if objective not in ("time", "cost", "balanced"):
         raise InputError(
-            "--objective", f"{objective!r} is not time, cost, tokens-per-dollar or balanced"
+            "--objective", f"'{objective}' is not time, cost, tokens-per-dollar or balanced"
         )
     limits = constraints_from_options(
         tp, pp, dp, micro_batch_size, virtual_stages, zero_stage, recompute, schedule,
         sequence_parallel, flash_attention, gpu_types, memory_headroom, max_gpus,
     )  # fmt: skip
     if precision is not None and precision not in PRECISIONS:
-        raise InputError("--precision", f"{precision!r} is not fp32, tf32, bf16 or fp16")
+        raise InputError("--precision", f"'{precision}' is not fp32, tf32, bf16 or fp16")
     spec = load_model(model, seq_len)
     mk = load_market(market)
     allowed = None if limits.gpu_types is None else {t.lower() for t in limits.gpu_types}
@@ -726,39 +840,171 @@ def provision(
         if max_usd_per_hour is None
         else parse_count(max_usd_per_hour, "--max-usd-per-hour"),
     )
-    terms = SpotTerms(parse_duration_s(checkpoint_interval, "--checkpoint-interval"))
-    res = run_provision(
-        spec,
-        mk,
-        n_tokens,
-        _batch(spec, global_batch_size),
-        precision,
-        spot,
-        objective,
-        constraints,
-        params,
-        terms,
-        mixes=mixes,
-        max_mix_plans=max_mix_plans,
-        limits=limits,
+    interval = (
+        None
+        if checkpoint_interval is None
+        else parse_duration_s(checkpoint_interval, "--checkpoint-interval")
     )
+    terms = SpotTerms(interval)
+    if time_limit is not None and not mixes:
+        raise InputError("--time-limit", "it limits the search of mixes: add --mixes")
+    # a market's mixes can take hours to plan: by default the search stops after
+    # MIX_TIME_LIMIT_S and lists every mix left with its proven bounds; 'none' plans them all
+    limit_s: float | None = MIX_TIME_LIMIT_S
+    if time_limit is not None:
+        exhaustive = time_limit.strip().lower() == "none"
+        limit_s = None if exhaustive else parse_duration_s(time_limit, "--time-limit")
+    if pricing is not None and pricing not in ("on-demand", "reserved", "spot"):
+        raise InputError("--pricing", f"'{pricing}' is not on-demand, reserved or spot")
+    if spot and pricing not in (None, "spot"):
+        raise InputError("--spot", f"spot rental contradicts --pricing {pricing}")
+    rate = "spot" if spot else pricing or "on-demand"
+    if compare_buy and rate != "on-demand":
+        raise InputError("--spot" if spot else "--pricing", "--compare-buy compares buying "
+                         "with renting on demand")  # fmt: skip
+    if compare_buy and (owned_path is not None or mixes):
+        used = "--cluster" if owned_path is not None else "--mixes"
+        raise InputError(used, "--compare-buy compares one GPU type bought or rented on demand")
+    if owned_path is not None and mixes:
+        raise InputError("--mixes", "with --cluster, each offer is added to the owned nodes alone")
+    if compare_buy:
+        _compare_buy(spec, mk, n_tokens, _batch(spec, global_batch_size), precision,
+                     runs_per_year, params, limits, plot, as_json)  # fmt: skip
+        return
+    owned = None
+    if owned_path is not None:
+        owned = load_cluster(owned_path)
+        for node in owned.nodes:
+            if node.owned is None:
+                raise InputError("--cluster", f"node {node.name} is not marked owned: true")
+    from hetplan.report.progress import ProgressBar
+
+    with ProgressBar.for_cli(as_json) as bar:  # after a second, on a terminal, not --json
+        res = run_provision(
+            spec,
+            mk,
+            n_tokens,
+            _batch(spec, global_batch_size),
+            precision,
+            spot,
+            objective,
+            constraints,
+            params,
+            terms,
+            mixes=mixes,
+            limits=limits,
+            owned=owned,
+            progress=bar,
+            time_limit_s=limit_s,
+            pricing=rate,
+        )
     if plot is not None:
         write_pareto_plot(plot, res, constraints)
     if as_json:
-        print_json(result_json(res) | {"precision": precision})
+        left = [u.to_json() for u in res.unexplored]
+        print_json(result_json(res, constraints) | {"precision": precision, "unexplored": left})
         return
     title = (
-        f"{spec.name}, {n_tokens:.3g} tokens, {precision}: time-versus-cost front "
-        f"({res.planned} configurations planned, {res.pruned} pruned by bounds, "
+        f"{spec.name}, {n_tokens:.3g} tokens, {precision}, {res.pricing} prices: "
+        f"time-versus-cost front "
+        f"({res.planned} configurations planned, {res.pruned} pruned by proven bounds, "
+        f"{res.impossible} with no possible plan, {_unexplored_note(res)}; "
         f"{res.search_time_s:.1f} s)"
     )
-    out.print(front_table(res, title))
-    if res.skipped:
-        out.print(f"{res.skipped} mixes left unexplored past --max-mix-plans")
+    out.print(front_table(res, title, constraints))
+    if res.left_out:
+        out.print(f"left out (no {res.pricing} price): {', '.join(res.left_out)}", highlight=False)
+    if res.unexplored:
+        out.print("unexplored mixes (time limit; each by name in --json):", highlight=False)
+        for line in _unexplored_lines(res.unexplored):
+            out.print("  " + line, highlight=False)
     if res.recommended is None:
         out.print(f"[bold red]no recommendation[/]: {res.reason}")
     else:
         out.print(f"recommended (*): {res.reason}")
+
+
+def _unexplored_note(res: Any) -> str:
+    """Returns how many mixes the time limit left unplanned and the best they could reach."""
+    left = res.unexplored
+    if not left:
+        return "none unexplored"
+    fast = min(u.time_bound_s for u in left)
+    cheap = min(u.cost_bound_usd for u in left)
+    return (
+        f"{len(left)} mixes unexplored at the time limit, which could at best train in "
+        f"{fast / 86400:.2f} days or for ${cheap:,.0f} (listed below)"
+    )
+
+
+def _unexplored_lines(left: list[Any]) -> list[str]:
+    """Returns one line per pair of GPU types: how many mixes the time limit left, their GPU
+    counts' ranges and the best time and cost any of them could reach (proven bounds)."""
+    groups: dict[tuple[str, ...], list[Any]] = {}
+    for u in left:
+        groups.setdefault(tuple(u.gpus), []).append(u)
+    lines = []
+    for names, us in sorted(groups.items(), key=lambda kv: min(u.time_bound_s for u in kv[1])):
+        ranges = " + ".join(
+            f"{min(u.gpus[n] for u in us)}-{max(u.gpus[n] for u in us)} x {n}" for n in names
+        )
+        lines.append(
+            f"{ranges}: {len(us)} mixes, at best {min(u.time_bound_s for u in us) / 86400:.2f} "
+            f"days or ${min(u.cost_bound_usd for u in us):,.0f}"
+        )
+    return lines
+
+
+def _compare_buy(
+    spec: ModelSpec,
+    mk: Any,
+    tokens: float,
+    batch: int,
+    precision: str,
+    runs_per_year: float,
+    params: Any,
+    limits: Any,
+    plot: Path | None,
+    as_json: bool,
+) -> None:
+    """Prints, per GPU type of the market, the break-even utilisation of buying."""
+    from rich.table import Table
+
+    from hetplan.search.buy import compare_buy, write_buy_plot
+
+    rows, notes = compare_buy(spec, mk, tokens, batch, precision, runs_per_year, params, limits)
+    if plot is not None and rows:
+        write_buy_plot(plot, rows)
+    if as_json:
+        left = [{"gpu": g, "reason": r} for g, r in notes]
+        print_json({"rows": [r.to_json() for r in rows], "left_out": left})
+        return
+    table = Table(
+        title=f"{spec.name}, {tokens:.3g} tokens x {runs_per_year:g} runs a year: buy or rent?",
+        header_style="bold",
+    )
+    cols = ("GPUs", "hours/run", "rent $/GPU-h", "own $/GPU-h at yours", "break-even",
+            "your utilisation", "verdict")  # fmt: skip
+    for col in cols:
+        table.add_column(col, justify="left" if col in ("GPUs", "verdict") else "right")
+    for r in rows:
+        at_yours = dataclasses.replace(r.own, utilisation=min(1.0, r.utilisation))
+        own = at_yours.parts().total
+        table.add_row(
+            f"{r.gpus} x {r.gpu}",
+            f"{r.hours_per_run:,.1f}",
+            f"{r.rental_usd_per_gpu_hour:.2f}",
+            f"{own:.2f}",
+            "never" if r.break_even == float("inf") else f"{r.break_even:.1%}",
+            f"{r.utilisation:.1%}",
+            r.verdict,
+        )
+    out.print(table)
+    by_reason: dict[str, list[str]] = {}
+    for gpu, reason in notes:
+        by_reason.setdefault(reason, []).append(gpu)
+    for reason, gpus in by_reason.items():
+        out.print(f"left out ({reason}): {', '.join(gpus)}", highlight=False)
 
 
 @app.command()
@@ -769,23 +1015,30 @@ def export(
     seq_len: SeqOpt = None,
     out_path: Annotated[Path | None, typer.Option("--out", "-o", help="Write to a file")] = None,
 ) -> None:
-    """Export a plan to Megatron-LM arguments or a DeepSpeed configuration."""
-    from hetplan.report.export import deepspeed_config, megatron_args
+    """Export a plan to Megatron-LM arguments or a DeepSpeed configuration.
+
+    The DeepSpeed configuration holds only keys DeepSpeed documents; the parallel sizes
+    DeepSpeed takes from its launcher are printed on stderr as Megatron-DeepSpeed arguments."""
+    from hetplan.report.export import deepspeed_config, deepspeed_launch_args, megatron_args
 
     spec = load_model(model, seq_len)
     the_plan = load_plan(plan_path)
     if fmt == "megatron":
-        text = " \\\n  ".join(megatron_args(the_plan, spec)) + "\n"
+        text = " \\\n  ".join(shlex.quote(a) for a in megatron_args(the_plan, spec)) + "\n"
     elif fmt == "deepspeed":
         text = json.dumps(deepspeed_config(the_plan, spec), indent=2) + "\n"
     else:
-        raise InputError("--format", f"{fmt!r} is not megatron or deepspeed")
+        raise InputError("--format", f"'{fmt}' is not megatron or deepspeed")
     if out_path is None:
         out.print(text, end="", highlight=False, soft_wrap=True)
-        return
-    tmp = out_path.with_name(out_path.name + ".tmp")
-    tmp.write_text(text)
-    tmp.replace(out_path)
+    else:
+        tmp = out_path.with_name(out_path.name + ".tmp")
+        tmp.write_text(text)
+        tmp.replace(out_path)
+    if fmt == "deepspeed":  # DeepSpeed takes the parallel sizes from the launcher
+        launch = deepspeed_launch_args(the_plan, str(out_path or "ds_config.json"))
+        err.print(f"Megatron-DeepSpeed arguments: {shlex.join(launch)}", highlight=False,
+                  soft_wrap=True, markup=False)  # fmt: skip
 
 
 def _show_version(value: bool) -> None:
@@ -818,6 +1071,9 @@ def _mount_subcommands() -> None:
     register_runtime(app)
     register_elastic(app)
     app.add_typer(spmd_app, name="spmd", help="SPMD program synthesis (HAP-style)")
+    from hetplan.spot.cli import app as spot_app
+
+    app.add_typer(spot_app, name="spot", help="Replay GPU availability traces (spot market)")
 
 
 _mount_subcommands()
@@ -839,10 +1095,12 @@ def main() -> None:
         err.print("aborted")
         sys.exit(130)
     except Exception as exc:  # click's usage errors arrive here with standalone_mode off
-        try:  # typer >= 0.20 vendors click; older ones depend on it
-            from click import exceptions as click_exc
-        except ModuleNotFoundError:
+        # typer >= 0.20 raises its vendored click's exceptions, even where a separate click
+        # is installed (huggingface_hub brings one): check against typer's own first
+        try:
             from typer._click import exceptions as click_exc
+        except ModuleNotFoundError:  # an older typer that depends on click
+            from click import exceptions as click_exc  # type: ignore[no-redef]
 
         if isinstance(exc, click_exc.NoArgsIsHelpError):
             exc.show()  # a bare command group prints its help
@@ -855,6 +1113,6 @@ def main() -> None:
             err.print(f"[bold red]error[/]: {where}{message} (see --help)", highlight=False,
                       soft_wrap=True, markup=True)  # fmt: skip
             sys.exit(2)
-        if isinstance(exc, click_exc.Exit):
+        if isinstance(exc, typer.Exit):
             sys.exit(exc.exit_code)
         raise

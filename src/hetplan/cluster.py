@@ -11,7 +11,8 @@ from typing import Any
 
 import yaml
 
-from hetplan.errors import InputError
+from hetplan.cost.money import OWNERSHIP_KEYS, Ownership, ownership
+from hetplan.errors import InputError, shown
 from hetplan.hardware import GPUType, get_gpu, gpu_from_mapping
 from hetplan.units import parse_bandwidth_bytes_per_s
 
@@ -28,7 +29,12 @@ class Node:
     network_bytes_per_s: float
     """Per node, per direction, to other nodes."""
     usd_per_gpu_hour: float | None
-    """Price per GPU-hour; None where unknown."""
+    """Price per GPU-hour; None where unknown. An owned node's is its amortisation and
+    energy (``owned``), never a rental."""
+    owned: Ownership | None = None
+    """The node's GPUs are owned: what one costs (``hetplan.cost.money``)."""
+    rental_kind: str = "on-demand"
+    """How a rented node's ``usd_per_gpu_hour`` is charged: on-demand, reserved or spot."""
 
     def __post_init__(self) -> None:
         if self.gpus <= 0:
@@ -53,26 +59,28 @@ class Cluster:
         seen: set[str] = set()
         for node in self.nodes:
             if node.name in seen:
-                raise InputError("nodes", f"node name {node.name!r} appears twice")
+                raise InputError("nodes", f"node name {node.name} appears twice")
             seen.add(node.name)
 
     def node(self, name: str) -> Node:
         """Returns the node called ``name``."""
         node = self.node_or_none(name)
         if node is None:
-            raise InputError("node", f"no node named {name!r} in the cluster")
+            raise InputError("node", f"no node named {shown(name)} in the cluster")
         return node
 
     def device_node(self, device: str) -> Node:
         """Returns the node holding ``device`` ('node:index'), checking the index."""
         name, _, index = device.rpartition(":")
         if not name or not index.isdigit():
-            raise InputError("devices", f"{device!r} is not of the form 'node:index'")
+            raise InputError("devices", f"{shown(device)} is not of the form 'node:index'")
         node = self.node_or_none(name)
         if node is None:
-            raise InputError("devices", f"{device!r} names node {name!r}, not in the cluster")
+            raise InputError(
+                "devices", f"{shown(device)} names node {shown(name)}, not in the cluster"
+            )
         if int(index) >= node.gpus:
-            raise InputError("devices", f"{device!r}: node {name} has only {node.gpus} GPUs")
+            raise InputError("devices", f"{shown(device)}: node {name} has only {node.gpus} GPUs")
         return node
 
     def node_or_none(self, name: str) -> Node | None:
@@ -131,6 +139,8 @@ _NODE_KEYS = {
     "intra_node_bandwidth",
     "network_bandwidth",
     "price_per_gpu_hour",
+    "owned",
+    *OWNERSHIP_KEYS,
 }
 
 
@@ -140,18 +150,17 @@ def _node_entries(entry: dict[str, Any], index: int, types: dict[str, GPUType]) 
         raise InputError(where, "each node must be a mapping with at least 'gpu' and 'gpus'")
     unknown = set(entry) - _NODE_KEYS
     if unknown:
-        raise InputError(
-            f"{where}.{sorted(unknown)[0]}", f"unknown key (allowed: {sorted(_NODE_KEYS)})"
-        )
+        allowed = ", ".join(sorted(_NODE_KEYS))
+        raise InputError(f"{where}.{sorted(unknown)[0]}", f"unknown key (allowed: {allowed})")
     if "gpu" not in entry:
         raise InputError(f"{where}.gpu", "required")
     gpu = get_gpu(str(entry["gpu"]), types, field=f"{where}.gpu")
     gpus = entry.get("gpus", 8)
     if not isinstance(gpus, int) or isinstance(gpus, bool) or gpus <= 0:
-        raise InputError(f"{where}.gpus", f"expected a positive integer, got {gpus!r}")
+        raise InputError(f"{where}.gpus", f"expected a positive integer, got {shown(gpus)}")
     count = entry.get("count", 1)
     if not isinstance(count, int) or isinstance(count, bool) or count <= 0:
-        raise InputError(f"{where}.count", f"expected a positive integer, got {count!r}")
+        raise InputError(f"{where}.count", f"expected a positive integer, got {shown(count)}")
     intra = (
         parse_bandwidth_bytes_per_s(entry["intra_node_bandwidth"], f"{where}.intra_node_bandwidth")
         if "intra_node_bandwidth" in entry
@@ -162,16 +171,41 @@ def _node_entries(entry: dict[str, Any], index: int, types: dict[str, GPUType]) 
         if "network_bandwidth" in entry
         else gpu.network_bytes_per_s
     )
+    own = _ownership(entry, gpu, where)
     price = entry.get("price_per_gpu_hour", gpu.on_demand_usd_per_hour)
-    if price is not None and (
+    if own is not None:
+        price = own.parts().total
+    elif price is not None and (
         isinstance(price, bool) or not isinstance(price, int | float) or price < 0
     ):
-        raise InputError(f"{where}.price_per_gpu_hour", f"expected a price >= 0, got {price!r}")
+        raise InputError(
+            f"{where}.price_per_gpu_hour", f"expected a price >= 0, got {shown(price)}"
+        )
     base = str(entry.get("name") or _slug(gpu.name))
     if not re.fullmatch(r"[A-Za-z0-9_.\-]+", base):
-        raise InputError(f"{where}.name", f"{base!r}: use letters, digits, '-', '_' and '.'")
+        raise InputError(f"{where}.name", f"{shown(base)}: use letters, digits, '-', '_' and '.'")
     names = [base] if count == 1 and "name" in entry else [f"{base}-{i}" for i in range(count)]
-    return [Node(n, gpu, gpus, intra, net, None if price is None else float(price)) for n in names]
+    price = None if price is None else float(price)
+    return [Node(n, gpu, gpus, intra, net, price, own) for n in names]
+
+
+def _ownership(entry: dict[str, Any], gpu: GPUType, where: str) -> Ownership | None:
+    """Returns what an owned node's GPUs cost, or None for a rented node."""
+    owned = entry.get("owned", False)
+    if not isinstance(owned, bool):
+        raise InputError(f"{where}.owned", f"expected true or false, got {shown(owned)}")
+    figures = {k: entry[k] for k in OWNERSHIP_KEYS if k in entry}
+    if not owned:
+        if figures:
+            key = sorted(figures)[0]
+            raise InputError(f"{where}.{key}", "only owned nodes (owned: true) take it")
+        return None
+    if "price_per_gpu_hour" in entry:
+        raise InputError(
+            f"{where}.price_per_gpu_hour",
+            "an owned node pays no rental (its cost is amortisation and energy)",
+        )
+    return ownership(gpu, figures, where)
 
 
 def _slug(name: str) -> str:
@@ -212,6 +246,7 @@ def cluster_from_dict(data: Any) -> Cluster:
                     node.intra_node_bytes_per_s,
                     node.network_bytes_per_s,
                     node.usd_per_gpu_hour,
+                    node.owned,
                 )
             nodes.append(node)
     return Cluster(tuple(nodes), types)
@@ -224,7 +259,7 @@ def parse_inline_cluster(text: str) -> Cluster:
         match = re.fullmatch(r"\s*(.+?)\s*:\s*(\d+)\s*[xX]\s*(\d+)\s*", part)
         if match is None:
             raise InputError(
-                "--cluster", f"{part.strip()!r} is not TYPE:NODESxGPUS (e.g. A100-80GB:4x8)"
+                "--cluster", f"{shown(part.strip())} is not TYPE:NODESxGPUS (e.g. A100-80GB:4x8)"
             )
         entries.append(
             {"gpu": match.group(1), "count": int(match.group(2)), "gpus": int(match.group(3))}

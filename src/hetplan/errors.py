@@ -10,3 +10,19 @@ class InputError(ValueError):
         super().__init__(f"{field}: {reason}")
         self.field = field
         self.reason = reason
+
+
+def shown(value: object) -> str:
+    """Returns a value as a message shows it to a person: text in quotes, true/false, null,
+    numbers as written, lists and mappings in YAML's flow style (never a Python repr)."""
+    if isinstance(value, str):
+        return f"'{value}'"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if value is None:
+        return "null"
+    if isinstance(value, list | tuple | set | frozenset):
+        return "[" + ", ".join(shown(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k}: {shown(v)}" for k, v in value.items()) + "}"
+    return str(value)

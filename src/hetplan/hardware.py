@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from functools import cache
 from importlib import resources
 
-from hetplan.errors import InputError
+from hetplan.errors import InputError, shown
 
 
 @dataclass(frozen=True)
@@ -59,7 +59,9 @@ class GPUType:
             return self.fp16_flops
         if precision == "fp32":
             return self.fp32_flops
-        raise InputError("precision", f"unknown precision {precision!r} (fp32, tf32, bf16 or fp16)")
+        raise InputError(
+            "precision", f"unknown precision {shown(precision)} (fp32, tf32, bf16 or fp16)"
+        )
 
     def peak_label(self, precision: str) -> str:
         """Returns a phrase naming the units that run ``precision`` and their peak.
@@ -139,7 +141,7 @@ def get_gpu(name: str, extra: dict[str, GPUType] | None = None, field: str = "gp
     found = _catalog().get(_key(name))
     if found is None:
         known = ", ".join(g.name for g in catalog_gpus())
-        raise InputError(field, f"unknown GPU type {name!r} (known: {known})")
+        raise InputError(field, f"unknown GPU type {shown(name)} (known: {known})")
     return found
 
 
@@ -160,7 +162,7 @@ def gpu_from_mapping(name: str, spec: dict[str, object], field: str) -> GPUType:
     unknown = set(spec) - allowed
     if unknown:
         raise InputError(
-            f"{field}.{sorted(unknown)[0]}", f"unknown key (allowed: {sorted(allowed)})"
+            f"{field}.{sorted(unknown)[0]}", f"unknown key (allowed: {', '.join(sorted(allowed))})"
         )
 
     def num(key: str, default: float | None = None) -> float | None:
@@ -168,7 +170,7 @@ def gpu_from_mapping(name: str, spec: dict[str, object], field: str) -> GPUType:
         if value is None:
             return None
         if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
-            raise InputError(f"{field}.{key}", f"expected a positive number, got {value!r}")
+            raise InputError(f"{field}.{key}", f"expected a positive number, got {shown(value)}")
         return float(value)
 
     memory = num("memory_gb")

@@ -1,4 +1,5 @@
-"""GPU markets for provisioning: offers with availability, on-demand and spot prices."""
+"""GPU markets for provisioning: offers with availability, on-demand, reserved and spot
+prices."""
 
 from __future__ import annotations
 
@@ -10,9 +11,23 @@ from typing import Any
 import yaml
 
 from hetplan.cluster import Cluster, Node
+from hetplan.cost.money import OWNERSHIP_KEYS, Ownership, check_figure, ownership
 from hetplan.errors import InputError
 from hetplan.hardware import GPUType, get_gpu
 from hetplan.units import parse_bandwidth_bytes_per_s, parse_duration_s
+
+PRICINGS = ("on-demand", "reserved", "spot")
+"""How rented GPUs are paid for: the offer's on-demand, reserved (committed-use) or spot
+price."""
+
+
+def pricing_name(pricing: bool | str) -> str:
+    """Returns one of PRICINGS for ``pricing`` (True: spot, False: on-demand)."""
+    if isinstance(pricing, bool):
+        return "spot" if pricing else "on-demand"
+    if pricing not in PRICINGS:
+        raise InputError("--pricing", f"'{pricing}' is not on-demand, reserved or spot")
+    return pricing
 
 
 @dataclass(frozen=True)
@@ -31,10 +46,21 @@ class Offer:
     """Expected spot preemptions per node-hour."""
     restart_s: float = 600.0
     """Time to get going again after a preemption (new node, reload, warm-up)."""
+    reserved_usd_per_gpu_hour: float | None = None
+    """Committed-use (reserved) price where the market states one."""
+    buy: tuple[tuple[str, float], ...] = ()
+    """Figures for buying these GPUs instead (keys of ``money.OWNERSHIP_KEYS``), over the
+    shipped defaults."""
 
-    def cluster(self, nodes: int, spot: bool = False) -> Cluster:
-        """Returns a cluster of ``nodes`` nodes of this offer."""
+    def ownership(self) -> Ownership:
+        """Returns what owning one of these GPUs costs (defaults with the offer's figures)."""
+        return ownership(self.gpu, dict(self.buy), f"offers.{self.name}")
+
+    def cluster(self, nodes: int, spot: bool | str = False) -> Cluster:
+        """Returns a cluster of ``nodes`` nodes of this offer, charged at ``spot``'s pricing
+        (True: spot, False: on-demand, or a name of PRICINGS)."""
         price = self.price(spot)
+        kind = pricing_name(spot)
         return Cluster(
             tuple(
                 Node(
@@ -44,18 +70,36 @@ class Offer:
                     self.intra_node_bytes_per_s,
                     self.network_bytes_per_s,
                     price,
+                    rental_kind=kind,
                 )
                 for i in range(nodes)
             )
         )
 
-    def price(self, spot: bool) -> float:
-        """Returns the price per GPU-hour, spot or on-demand."""
-        if spot:
+    def price(self, spot: bool | str) -> float:
+        """Returns the price per GPU-hour at ``spot``'s pricing (True: spot, False:
+        on-demand, or a name of PRICINGS)."""
+        kind = pricing_name(spot)
+        if kind == "spot":
             if self.spot_usd_per_gpu_hour is None:
                 raise InputError(f"offers.{self.name}.spot_usd_per_gpu_hour", "no spot price")
             return self.spot_usd_per_gpu_hour
+        if kind == "reserved":
+            if self.reserved_usd_per_gpu_hour is None:
+                raise InputError(
+                    f"offers.{self.name}.reserved_usd_per_gpu_hour", "no reserved price"
+                )
+            return self.reserved_usd_per_gpu_hour
         return self.on_demand_usd_per_gpu_hour
+
+    def has_price(self, pricing: bool | str) -> bool:
+        """Returns whether the offer states a price for ``pricing``."""
+        kind = pricing_name(pricing)
+        if kind == "spot":
+            return self.spot_usd_per_gpu_hour is not None
+        if kind == "reserved":
+            return self.reserved_usd_per_gpu_hour is not None
+        return True
 
 
 @dataclass(frozen=True)
@@ -77,7 +121,7 @@ def _positive(
     if value is None:
         raise InputError(f"{where}.{key}", "required")
     if isinstance(value, bool) or not isinstance(value, int | float):
-        raise InputError(f"{where}.{key}", f"expected a number, got {value!r}")
+        raise InputError(f"{where}.{key}", f"expected a number, got {value}")
     if value < 0 or (value == 0 and not allow_zero):
         raise InputError(
             f"{where}.{key}", f"must be {'>= 0' if allow_zero else '> 0'}, got {value}"
@@ -96,6 +140,8 @@ _OFFER_KEYS = {
     "intra_node_bandwidth",
     "preemption_rate_per_node_hour",
     "restart_time",
+    "reserved_usd_per_gpu_hour",
+    *OWNERSHIP_KEYS,
 }
 
 
@@ -141,6 +187,12 @@ def market_from_dict(data: Any) -> Market:
                     entry, "preemption_rate_per_node_hour", where, 0.0, allow_zero=True
                 ),
                 restart_s=parse_duration_s(entry.get("restart_time", 600), f"{where}.restart_time"),
+                reserved_usd_per_gpu_hour=None
+                if entry.get("reserved_usd_per_gpu_hour") is None
+                else _positive(entry, "reserved_usd_per_gpu_hour", where),
+                buy=tuple(
+                    (k, check_figure(k, entry[k], where)) for k in OWNERSHIP_KEYS if k in entry
+                ),
             )
         )
     names = [o.name for o in offers]

@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 import yaml
 
-from hetplan.errors import InputError
+from hetplan.errors import InputError, shown
 
 Family = Literal["gpt", "llama"]
 
@@ -48,7 +48,9 @@ class ModelSpec:
         for field in ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "seq"):
             value = getattr(self, field)
             if not isinstance(value, int) or value <= 0:
-                raise InputError(f"model.{field}", f"must be a positive integer, got {value!r}")
+                raise InputError(
+                    f"model.{field}", f"must be a positive integer, got {shown(value)}"
+                )
         if self.hidden % self.heads:
             raise InputError(
                 "model.heads", f"{self.heads} heads do not divide hidden {self.hidden}"
@@ -56,7 +58,7 @@ class ModelSpec:
         if self.heads % self.kv_heads:
             raise InputError("model.kv_heads", f"{self.kv_heads} do not divide heads {self.heads}")
         if self.family not in ("gpt", "llama"):
-            raise InputError("model.family", f"unknown family {self.family!r} (gpt, llama)")
+            raise InputError("model.family", f"unknown family {shown(self.family)} (gpt, llama)")
 
     @property
     def head_dim(self) -> int:
@@ -231,7 +233,7 @@ def _require_int(cfg: dict[str, Any], key: str, path: str) -> int:
         raise InputError(f"{path}:{key}", "missing from the config")
     value = cfg[key]
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise InputError(f"{path}:{key}", f"expected a positive integer, got {value!r}")
+        raise InputError(f"{path}:{key}", f"expected a positive integer, got {shown(value)}")
     return value
 
 
@@ -288,4 +290,6 @@ def load_model(spec: str, seq_len: int | None = None) -> ModelSpec:
             raise InputError("--model", f"no such file: {spec}")
         return model_from_hf_config(path).with_seq(seq_len)
     known = ", ".join(catalog_models())
-    raise InputError("--model", f"unknown model {spec!r} (built-in: {known}; or a config.json)")
+    raise InputError(
+        "--model", f"unknown model {shown(spec)} (built-in: {known}; or a config.json)"
+    )

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from hetplan.cluster import Cluster
-from hetplan.errors import InputError
+from hetplan.errors import InputError, shown
 from hetplan.model import ModelSpec
 
 SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B")
@@ -34,11 +34,20 @@ class Stage:
     layers: int
     devices: tuple[str, ...]
     """The tensor-parallel group: devices of one node (one GPU type)."""
+    chunks: tuple[int, ...] | None = None
+    """Layers of each model chunk (Interleaved1F1B), in chunk order, summing to ``layers``;
+    None: ``layers`` split evenly over the plan's virtual stages."""
 
     @property
     def tp(self) -> int:
         """Returns the stage's tensor-parallel degree."""
         return len(self.devices)
+
+    def chunk_layers(self, v: int) -> tuple[int, ...]:
+        """Returns the layers of each of the stage's ``v`` model chunks."""
+        if self.chunks is not None:
+            return self.chunks
+        return (self.layers // v,) * v
 
 
 @dataclass(frozen=True)
@@ -95,27 +104,39 @@ class Plan:
     def is_uniform(self) -> bool:
         """Returns whether every pipeline has the same stage layout and batch share."""
         first = self.pipelines[0]
-        shape = [(s.layers, s.tp) for s in first.stages]
+        v = self.virtual_stages
+        shape = [(s.layers, s.tp, s.chunk_layers(v)) for s in first.stages]
         return all(
-            p.batch_size == first.batch_size and [(s.layers, s.tp) for s in p.stages] == shape
+            p.batch_size == first.batch_size
+            and [(s.layers, s.tp, s.chunk_layers(v)) for s in p.stages] == shape
             for p in self.pipelines
         )
 
-    def to_dict(self) -> dict[str, Any]:
-        """Returns the plan as the JSON-ready mapping of the plan file format."""
+    def to_dict(self, compact: bool = False) -> dict[str, Any]:
+        """Returns the plan as the JSON-ready mapping of the plan file format; ``compact``:
+        repeated pipelines as one entry each (``hetplan.plan_compact``)."""
+        if compact:
+            from hetplan.plan_compact import compact_dict
+
+            return compact_dict(self)
         out = asdict(self)
         out.pop("extra")
         for pipe in out["pipelines"]:
             for stage in pipe["stages"]:
                 stage["devices"] = list(stage["devices"])
+                if stage["chunks"] is None:  # the even form, written as before
+                    del stage["chunks"]
+                else:
+                    stage["chunks"] = list(stage["chunks"])
         if self.schedule != "Interleaved1F1B":
             out.pop("virtual_stages")
         return out
 
-    def save(self, path: Path) -> None:
-        """Writes the plan as JSON, atomically."""
+    def save(self, path: Path, compact: bool = True) -> None:
+        """Writes the plan as JSON, atomically; repeated pipelines in the compact form unless
+        ``compact`` is False (every device listed)."""
         tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+        tmp.write_text(json.dumps(self.to_dict(compact), indent=2) + "\n")
         tmp.replace(path)
 
 
@@ -124,12 +145,43 @@ def _int(data: dict[str, Any], key: str, where: str, default: int | None = None)
     if value is None:
         raise InputError(f"{where}{key}", "required")
     if not isinstance(value, int) or isinstance(value, bool):
-        raise InputError(f"{where}{key}", f"expected an integer, got {value!r}")
+        raise InputError(f"{where}{key}", f"expected an integer, got {shown(value)}")
     return value
 
 
-def plan_from_dict(data: Any) -> Plan:
-    """Returns the Plan of a parsed plan file, checking its form (not the cluster or model)."""
+def _chunks(data: dict[str, Any], where: str) -> tuple[int, ...] | None:
+    """Returns a stage's explicit per-chunk layer list, or None where it states none."""
+    raw = data.get("chunks")
+    if raw is None:
+        return None
+    if not isinstance(raw, list) or not raw:
+        raise InputError(f"{where}chunks", "must be a non-empty list of layer counts")
+    for x in raw:
+        if not isinstance(x, int) or isinstance(x, bool) or x < 0:
+            raise InputError(
+                f"{where}chunks", f"layer counts must be integers >= 0, got {shown(x)}"
+            )
+    return tuple(raw)
+
+
+def plan_from_dict(data: Any, cluster: Cluster | None = None) -> Plan:
+    """Returns the Plan of a parsed plan file, checking its form (not the model); compact
+    entries (a pipeline repeated over a node range) are expanded, and with ``cluster``
+    their node ranges are checked against it."""
+    if isinstance(data, dict) and isinstance(data.get("pipelines"), list):
+        from hetplan.plan_compact import expand_pipelines, rename_field
+
+        raw, origin = expand_pipelines(data["pipelines"], cluster)
+        if raw is not data["pipelines"]:
+            try:
+                return _parse_plan({**data, "pipelines": raw})
+            except InputError as exc:
+                raise rename_field(exc, origin) from None
+    return _parse_plan(data)
+
+
+def _parse_plan(data: Any) -> Plan:
+    """Returns the Plan of a parsed plan file in the explicit form, checking its form."""
     if not isinstance(data, dict):
         raise InputError("plan", "must be a JSON object")
     raw = data.get("pipelines")
@@ -153,7 +205,9 @@ def plan_from_dict(data: Any) -> Plan:
                 raise InputError(f"{swhere}devices", "required: a non-empty list of 'node:index'")
             if not all(isinstance(d, str) for d in devices):
                 raise InputError(f"{swhere}devices", "device names must be strings")
-            stages.append(Stage(_int(st, "layers", swhere), tuple(devices)))
+            chunks = _chunks(st, swhere)
+            layers = _int(st, "layers", swhere, sum(chunks) if chunks is not None else None)
+            stages.append(Stage(layers, tuple(devices), chunks))
         pipelines.append(Pipeline(_int(pipe, "batch_size", where), tuple(stages)))
     known = {
         "global_batch_size",
@@ -189,8 +243,9 @@ def plan_from_dict(data: Any) -> Plan:
     return plan
 
 
-def load_plan(path: Path) -> Plan:
-    """Returns the Plan read from a JSON file."""
+def load_plan(path: Path, cluster: Cluster | None = None) -> Plan:
+    """Returns the Plan read from a JSON file (either form; ``cluster``: check compact
+    entries' node ranges against it)."""
     try:
         data = json.loads(path.read_text())
     except OSError as exc:
@@ -199,17 +254,17 @@ def load_plan(path: Path) -> Plan:
         raise InputError(
             "--plan", f"{path} is not valid JSON: {exc.msg} (line {exc.lineno})"
         ) from None
-    return plan_from_dict(data)
+    return plan_from_dict(data, cluster)
 
 
 def check_plan_form(plan: Plan) -> None:
     """Raises InputError if the plan's own numbers are inconsistent."""
     if plan.precision not in PRECISIONS:
-        raise InputError("precision", f"{plan.precision!r} is not one of {PRECISIONS}")
+        raise InputError("precision", f"'{plan.precision}' is not one of {', '.join(PRECISIONS)}")
     if plan.recompute not in RECOMPUTE:
-        raise InputError("recompute", f"{plan.recompute!r} is not one of {RECOMPUTE}")
+        raise InputError("recompute", f"'{plan.recompute}' is not one of {', '.join(RECOMPUTE)}")
     if plan.schedule not in SCHEDULES:
-        raise InputError("schedule", f"{plan.schedule!r} is not one of {SCHEDULES}")
+        raise InputError("schedule", f"'{plan.schedule}' is not one of {', '.join(SCHEDULES)}")
     if plan.zero_stage not in (0, 1, 2, 3):
         raise InputError("zero_stage", f"must be 0, 1, 2 or 3, got {plan.zero_stage}")
     if plan.micro_batch_size <= 0:
@@ -234,6 +289,8 @@ def check_plan_form(plan: Plan) -> None:
         for j, stage in enumerate(pipe.stages):
             if stage.layers < 0:
                 raise InputError(f"pipelines[{i}].stages[{j}].layers", "must be >= 0")
+            if stage.chunks is not None:
+                check_chunks(stage, plan.virtual_stages, f"pipelines[{i}].stages[{j}]")
         if plan.schedule == "Interleaved1F1B":
             m = pipe.batch_size // plan.micro_batch_size
             if len(pipe.stages) > 1 and m % len(pipe.stages):
@@ -245,8 +302,26 @@ def check_plan_form(plan: Plan) -> None:
     seen: set[str] = set()
     for dev in plan.devices():
         if dev in seen:
-            raise InputError("devices", f"device {dev!r} is used more than once")
+            raise InputError("devices", f"device {shown(dev)} is used more than once")
         seen.add(dev)
+
+
+def check_chunks(stage: Stage, v: int, where: str) -> None:
+    """Raises InputError unless the stage's explicit chunk list fits ``v`` virtual stages."""
+    chunks = stage.chunks
+    if chunks is None:
+        return
+    if len(chunks) != v:
+        raise InputError(
+            f"{where}.chunks",
+            f"lists {len(chunks)} chunks, but the plan has {v} virtual stages per stage",
+        )
+    if any(x < 0 for x in chunks):
+        raise InputError(f"{where}.chunks", "layer counts must be >= 0")
+    if sum(chunks) != stage.layers:
+        raise InputError(
+            f"{where}.chunks", f"chunks sum to {sum(chunks)} layers, not the stage's {stage.layers}"
+        )
 
 
 def validate_plan(plan: Plan, model: ModelSpec, cluster: Cluster) -> None:
@@ -263,16 +338,19 @@ def validate_plan(plan: Plan, model: ModelSpec, cluster: Cluster) -> None:
             where = f"pipelines[{i}].stages[{j}].devices"
             nodes = {cluster.device_node(d).name for d in stage.devices}
             if len(nodes) > 1:
-                raise InputError(where, f"a tensor-parallel group spans nodes {sorted(nodes)}")
+                spans = ", ".join(sorted(nodes))
+                raise InputError(where, f"a tensor-parallel group spans nodes {spans}")
             tp = stage.tp
             if model.heads % tp or (model.kv_heads % tp and tp % model.kv_heads):
                 raise InputError(where, f"tensor-parallel degree {tp} does not divide the heads")
             if model.ffn % tp:
                 raise InputError(where, f"tensor-parallel degree {tp} does not divide ffn")
-            if plan.virtual_stages > 1 and stage.layers % plan.virtual_stages:
+            v = plan.virtual_stages
+            if stage.chunks is None and v > 1 and stage.layers % v:
                 raise InputError(
                     f"pipelines[{i}].stages[{j}].layers",
-                    f"{stage.layers} layers do not split into {plan.virtual_stages} chunks",
+                    f"{stage.layers} layers do not split evenly into {plan.virtual_stages} "
+                    "chunks (state them with 'chunks', e.g. [4, 3])",
                 )
             gpu = cluster.device_node(stage.devices[0]).gpu
             if not gpu.supports(plan.precision):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from hetplan.errors import InputError
+from hetplan.errors import InputError, shown
 
 _BANDWIDTH_TO_BYTES_PER_S = {
     "gbit/s": 1e9 / 8,
@@ -23,7 +23,7 @@ _NUMBER = r"([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)"
 def parse_bandwidth_bytes_per_s(value: object, field: str) -> float:
     """Returns bytes/s of '10 Gbit/s', '25Gbps', '600 GB/s', '400 MB/s' (bare number: Gbit/s)."""
     if isinstance(value, bool):
-        raise InputError(field, f"expected a bandwidth such as '100 Gbit/s', got {value!r}")
+        raise InputError(field, f"expected a bandwidth such as '100 Gbit/s', got {shown(value)}")
     if isinstance(value, int | float):
         out = float(value) * 1e9 / 8
     else:
@@ -31,12 +31,13 @@ def parse_bandwidth_bytes_per_s(value: object, field: str) -> float:
         match = re.fullmatch(_NUMBER + r"\s*([A-Za-z/]+)", text)
         if match is None:
             raise InputError(
-                field, f"expected a bandwidth such as '100 Gbit/s' or '600 GB/s', got {text!r}"
+                field, f"expected a bandwidth such as '100 Gbit/s' or '600 GB/s', got {shown(text)}"
             )
         unit = match.group(2).lower()
         if unit not in _BANDWIDTH_TO_BYTES_PER_S:
             raise InputError(
-                field, f"unknown bandwidth unit {match.group(2)!r} (use Gbit/s, Gbps, GB/s, MB/s)"
+                field,
+                f"unknown bandwidth unit {shown(match.group(2))} (use Gbit/s, Gbps, GB/s, MB/s)",
             )
         out = float(match.group(1)) * _BANDWIDTH_TO_BYTES_PER_S[unit]
     if out <= 0:
@@ -55,7 +56,9 @@ def parse_duration_s(value: object, field: str) -> float:
         text = str(value).strip().lower()
         match = re.fullmatch(_NUMBER + r"\s*([a-z]*)", text)
         if match is None or match.group(2) not in {*_DURATION_S, ""}:
-            raise InputError(field, f"expected a duration such as '30d' or '12h', got {value!r}")
+            raise InputError(
+                field, f"expected a duration such as '30d' or '12h', got {shown(value)}"
+            )
         out = float(match.group(1)) * _DURATION_S.get(match.group(2), 1.0)
     if out <= 0:
         raise InputError(field, "duration must be positive")
@@ -67,7 +70,7 @@ def parse_count(value: object, field: str) -> float:
     try:
         out = float(str(value).replace("_", ""))
     except ValueError:
-        raise InputError(field, f"expected a number, got {value!r}") from None
+        raise InputError(field, f"expected a number, got {shown(value)}") from None
     if not out > 0:
         raise InputError(field, "must be positive")
     return out

@@ -299,3 +299,33 @@ def test_sequence_parallel_selective_speedup_matches_the_paper():
         want = t["full_measured"] / t["sel_measured"]
         got = t["full"] / t["sel"]
         assert got == pytest.approx(want, rel=0.08), name
+
+
+def test_fit_keeps_nvlink_terms_within_what_the_links_measure():
+    """Runs 'measured' on H100s with NVLink at 30% of its line rate and 100 us per step (a
+    link no NCCL measurement shows: ~82% by ring, 480 GB/s busbw over NVLink SHARP,
+    NVIDIA/nccl-tests#212; a few us per step): the fit must stay inside the measured
+    bounds and say it sits on one, rather than follow the rows."""
+    from hetplan.cost.calibrate import MEASURED_BOUNDS
+
+    cluster = parse_inline_cluster("H100-80GB:1x8")
+    slow = GPUEfficiency(gemm_max=0.7, link_efficiency=0.3, intra_latency_s=1e-4)
+    truth = CostParams().with_gpu("H100-80GB", slow)
+    runs = []
+    for hidden, tp, mb in [(1024, 8, 1), (2048, 8, 2), (1024, 4, 4), (2048, 2, 1),
+                           (1536, 8, 4), (1536, 1, 2)]:  # fmt: skip
+        model = ModelSpec(f"h{hidden} tp{tp}", "gpt", 4, hidden, 16, 16, 4 * hidden, 8192, 1024)
+        plan = uniform_plan(cluster, 4, tp, 1, 8 // tp, mb, 32, precision="bf16")
+        est = estimate(plan, model, cluster, truth)
+        runs.append(Run("slow", model.name, model, cluster, "iter_time_s",
+                        est.iteration_time_s, plan))  # fmt: skip
+    got = fit(runs)
+    eff = got.gpu("H100-80GB")
+    assert eff.link_efficiency == pytest.approx(0.75, abs=1e-6)  # pulled to the slow end
+    assert 1e-6 <= eff.intra_latency_s <= 2e-5
+    report = got.fit_report["terms"]["H100-80GB"]
+    assert report["link_efficiency"]["at_bound"] == "lower"
+    assert report["link_efficiency"]["bounds"] == [0.75, 0.95]
+    # a GPU type without measured links keeps the term's own bounds
+    assert terms_report(eff)["link_efficiency"]["bounds"] == [0.2, 0.95]
+    assert MEASURED_BOUNDS["H100-80GB"]["link_efficiency"][::2] == (0.75, 0.95)

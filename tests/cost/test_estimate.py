@@ -13,6 +13,7 @@ PARTS = (
     "recompute_s",
     "tensor_parallel_comm_s",
     "pipeline_p2p_wait_s",
+    "sharded_dp_comm_s",
     "pipeline_bubble_s",
     "data_parallel_sync_s",
     "optimizer_s",
@@ -135,3 +136,36 @@ def test_asymmetric_partitions_sync_layer_by_layer():
 def test_even_layer_split_puts_extra_layers_in_the_middle():
     assert even_layer_split(10, 4) == [2, 3, 3, 2]
     assert sum(even_layer_split(126, 16)) == 126
+
+
+def test_breakdown_table_rows_add_up_to_the_iteration_with_zero3():
+    """The reported case: gpt2-medium on T4:4x4 with ZeRO-3 printed terms adding up to well
+    under the iteration (the per-micro-batch gathers and reduce-scatters had no row). Read
+    the rendered table, as a user does: its rows must add up to its iteration row, with a
+    single stage nothing waits (bubble 0), and the sharded collectives must show."""
+    import io
+
+    from rich.console import Console
+
+    from hetplan.report.table import breakdown_table
+
+    model = load_model("gpt2-medium")
+    cl = parse_inline_cluster("T4:4x4")
+    for tp, pp, dp, mb, zero in ((1, 1, 16, 8, 3), (4, 1, 4, 8, 3), (1, 4, 4, 4, 3),
+                                 (1, 1, 16, 8, 2)):  # fmt: skip
+        plan = uniform_plan(cl, model.layers, tp, pp, dp, mb, 512, precision="fp16",
+                            zero_stage=zero)  # fmt: skip
+        est = estimate(plan, model, cl)
+        out = io.StringIO()
+        Console(file=out, width=200).print(breakdown_table(est))
+        rows = {}
+        for line in out.getvalue().splitlines():
+            cells = [c.strip() for c in line.strip("│ ").split("│")]
+            if len(cells) == 3 and cells[1].replace(".", "").lstrip("-").isdigit():
+                rows[cells[0]] = float(cells[1])
+        total = rows.pop("iteration")
+        assert total == pytest.approx(est.iteration_time_s, abs=1e-4)
+        assert sum(rows.values()) == pytest.approx(total, abs=1e-3 * len(rows)), (tp, pp, zero)
+        assert rows["sharded dp comm"] > 0.01 * total
+        if pp == 1:
+            assert rows["pipeline bubble"] == pytest.approx(0.0, abs=1e-4)

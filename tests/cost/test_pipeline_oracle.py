@@ -481,3 +481,47 @@ def test_extrapolated_long_run_close_to_oracle(schedule, seed, monkeypatch):
     exact = oracle(schedule, m, v, fwd, bwd, sends)
     assert fast.makespan_s == pytest.approx(exact.makespan, rel=0.01)
     assert fast.busy_s == pytest.approx(exact.busy, rel=0.01)
+
+
+# --------------------------------------------------------------------------------------
+# uneven chunks: per-chunk layer counts (issue 14 item 5)
+# --------------------------------------------------------------------------------------
+
+
+def held_mix_peak(sim_stage, chunks, w_layer: float, w_embed: float) -> float:
+    """Most activation weight held at any instant of a simulated stage: each held
+    (micro-batch, chunk) weighs ``chunks[c] * w_layer``, plus ``w_embed`` for chunk 0."""
+    marks = []
+    for kind, _mb, c, start, end in sim_stage:
+        w = chunks[c] * w_layer + (w_embed if c == 0 else 0.0)
+        marks.append((start, 1, w) if kind == "F" else (end, 0, -w))
+    held = peak = 0.0
+    for _, _, w in sorted(marks, key=lambda x: (x[0], x[1])):
+        held += w
+        peak = max(peak, held)
+    return peak
+
+
+UNEVEN_CASES = [(p, m, v) for p in range(2, 5) for m in (p, 2 * p, 3 * p) for v in (2, 3, 4)]
+
+
+@pytest.mark.parametrize("p,m,v", UNEVEN_CASES)
+def test_uneven_chunks_replay_and_held_layers_match_the_oracle(p, m, v):
+    """Chunks of 0 to 4 layers at a per-layer cost plus a fixed cost per chunk, as the
+    estimate splits a stage: the replay equals the event-by-event simulation, and the
+    held (layers, chunk-0) pairs give the simulated peak for any weights."""
+    rng = random.Random(7 * p + 31 * m + v)
+    chunks = [tuple(rng.randint(0, 4) for _ in range(v)) for _ in range(p)]
+    per_f = [rng.uniform(0.5, 2.0) for _ in range(p)]
+    fwd = [[0.1 + n * per_f[s] for n in chunks[s]] for s in range(p)]
+    bwd = [[0.2 + 2 * n * per_f[s] for n in chunks[s]] for s in range(p)]
+    sends = [rng.uniform(0.0, 0.5) for _ in range(p)]
+    sim = oracle("Interleaved1F1B", m, v, fwd, bwd, sends)
+    got = replay("Interleaved1F1B", m, v, fwd, bwd, sends)
+    assert got.makespan_s == pytest.approx(sim.makespan, rel=REL)
+    assert got.busy_s == pytest.approx(sim.busy, rel=REL)
+    for rank in range(p):
+        held = sched.held_layers("Interleaved1F1B", p, m, rank, chunks[rank])
+        for w_layer, w_embed in ((1.0, 0.0), (1.0, 3.5), (0.2, 1.0)):
+            want = held_mix_peak(sim.timeline[rank], chunks[rank], w_layer, w_embed)
+            assert max(a * w_layer + b * w_embed for a, b in held) == pytest.approx(want)

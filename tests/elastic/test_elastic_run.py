@@ -75,6 +75,10 @@ def test_kill_a_worker_resumes_on_the_rest(elastic_inputs: dict[str, Path], tmp_
     assert rec["bytes_local"] > 0 and rec["bytes_from_peers"] > 0
     assert rec["predicted_recovery_s"] < rec["baseline_recovery_s"]
     assert [s["step"] for s in record["steps"]] == list(range(step + 1, STEPS + 1))
+    # --json keeps the steps trained before the failure, up to the recovered checkpoint
+    before = [s["step"] for s in record["steps_before_recovery"]]
+    assert before == list(range(1, step + 1))
+    assert rec["steps_lost"] >= 0
     # control: a clean run from the same checkpoint (complete in storage) under the new plan
     control = tmp_path / "control"
     shutil.copytree(store / ckpt.step_dir_name(step), control / ckpt.step_dir_name(step))

@@ -125,6 +125,31 @@ def test_estimate_uses_links_and_pipeline_overhead(
     tp = estimate(load_plan(write_plan(tmp_path / "tp.json", TP2)), model, cluster, profile=db)
     assert tp.stages[0].tp_comm_s == pytest.approx(4 * (0.004 + 0.006))
     assert tp.compute_source == "measured"
+    # sequence parallelism: its own measured collectives where profiled, else the plain ones
+    sp_plan = load_plan(write_plan(tmp_path / "sp.json", TP2, sequence_parallel=True))
+    sp = estimate(sp_plan, model, cluster, profile=db)
+    assert sp.stages[0].tp_comm_s == pytest.approx(4 * (0.004 + 0.006))
+    db.put_part("cpu", model, "tp_comm_sp", 2, 2, "fp32", LayerTimes(0.007, 0.008, 0.0))
+    sp = estimate(sp_plan, model, cluster, profile=ProfileDB(tmp_path / "p.sqlite"))
+    assert sp.stages[0].tp_comm_s == pytest.approx(4 * (0.007 + 0.008))
+
+
+def test_estimate_uses_measured_zero3_layers(
+    inputs: dict[str, Path], profiled: Path, tmp_path: Path, write_plan: Any
+) -> None:
+    model = load_model(str(inputs["llama"]))
+    cluster = load_cluster(str(inputs["cluster"]))
+    shutil.copy(profiled, tmp_path / "p.sqlite")
+    plan = load_plan(write_plan(tmp_path / "z3.json", DP2, zero_stage=3))
+    per_mb = []
+    for f, b in ((0.001, 0.002), (0.003, 0.006)):
+        db = ProfileDB(tmp_path / "p.sqlite")
+        db.put_part("cpu", model, "zero3_comm_dp2", 1, 2, "fp32", LayerTimes(f, b, 0.0))
+        est = estimate(plan, model, cluster, profile=ProfileDB(tmp_path / "p.sqlite"))
+        per_mb.append(est.stages[0].zero_comm_s)
+    # 4 layers, each micro-batch: their measured gathers and reduce-scatters as they ran
+    assert per_mb[1] - per_mb[0] == pytest.approx(4 * (0.009 - 0.003))
+    assert per_mb[0] >= 4 * 0.003
 
 
 def test_profile_with_links_measures_gloo(
@@ -144,6 +169,9 @@ def test_profile_with_links_measures_gloo(
     assert over is not None and over[0] >= 0
     assert db.part_times(gpu, model, "tp_comm", 2, 2, "fp32") is not None
     assert db.part_times(gpu, model, "tp_comm", 1, 2, "fp32") is None  # no collectives
+    assert db.part_times(gpu, model, "tp_comm_sp", 2, 2, "fp32") is not None
+    zero3 = db.part_times(gpu, model, "zero3_comm_dp2", 1, 2, "fp32")
+    assert zero3 is not None and zero3.forward_s + zero3.backward_s > 0
     assert db.optimizer_step_s(gpu, model, "layer", 2, "fp32") is not None
     est = estimate(load_plan(write_plan(tmp_path / "dp.json", DP2)), model, cluster, profile=db)
     ring = db.link_figures(gpu, "allreduce")

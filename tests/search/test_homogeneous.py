@@ -106,3 +106,34 @@ def test_every_returned_plan_validates_and_fits(layers, hidden, heads, nodes, gp
         assert again.iteration_time_s == pytest.approx(est.iteration_time_s)
     times = [e.iteration_time_s for _, e in res.ranked]
     assert times == sorted(times)
+
+
+def test_lightened_candidates_are_bounded_and_laid_out_like_llama3():
+    # 30 layers on 16 GPUs: 30 + 2 = 32 slots fill pp * v chunks of n >= 1 layers where
+    # pp * v is 4, 8, 16 or 32 (pp 2/4/8/16 divide 16 GPUs, 2 <= v <= 8): the first and last
+    # stages one layer lighter, in the chunk beside the embedding and the head (with n = 1
+    # that chunk holds only the embedding or the head, as Llama 3 405B on PP16 with V8)
+    import dataclasses
+
+    spec = dataclasses.replace(load_model("gpt3-1.3b"), layers=30)
+    cl = parse_inline_cluster("A100-40GB:2x8")
+    sc = score_candidates(spec, cl, 64, "bf16")
+    light = [(b, c) for b, c in sc.ranked if c.lightened]
+    assert {(c.pp, c.virtual_stages) for _, c in light} == {
+        (2, 2), (2, 4), (2, 8), (4, 2), (4, 4), (4, 8), (8, 2), (8, 4), (16, 2)
+    }  # fmt: skip
+    step = max(1, len(light) // 60)
+    for bound, c in light[::step]:
+        plan = candidate_plan(spec, cl, c, 64, "bf16")
+        chunks = [s.chunks for s in plan.pipelines[0].stages]
+        n = 32 // (c.pp * c.virtual_stages)
+        assert chunks[0] == (n - 1,) + (n,) * (c.virtual_stages - 1)
+        assert chunks[-1] == (n,) * (c.virtual_stages - 1) + (n - 1,)
+        assert bound <= estimate(plan, spec, cl).iteration_time_s
+    # chunks holding only the embedding or the head: the bound still holds
+    single = [(b, c) for b, c in light if c.pp * c.virtual_stages == 32]
+    assert single
+    for bound, c in single[:: max(1, len(single) // 20)]:
+        plan = candidate_plan(spec, cl, c, 64, "bf16")
+        assert plan.pipelines[0].stages[0].chunks[0] == 0
+        assert bound <= estimate(plan, spec, cl).iteration_time_s

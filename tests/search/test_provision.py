@@ -108,6 +108,7 @@ def test_more_budget_is_never_slower_and_tighter_deadline_never_cheaper():
     from hetplan.search.provision import Constraints, recommend
 
     res = _front()
+    assert len(res.front) >= 2
     costs = sorted(p.total_cost_usd for p in res.front)
     times = sorted(p.time_to_train_s for p in res.front)
     prev_time = math.inf
@@ -126,6 +127,7 @@ def test_objectives_and_binding_constraint():
     from hetplan.search.provision import Constraints, recommend
 
     res = _front()
+    assert res.front
     fastest, _ = recommend(res.front, "time", Constraints())
     cheapest, _ = recommend(res.front, "cost", Constraints())
     assert fastest is not None and cheapest is not None
@@ -201,36 +203,98 @@ def test_provision_cli(tmp_path):
     assert res.returncode == 2 and "on_demand_usd_per_gpu_hour" in res.stderr
 
 
-def test_mixes_front_equals_exhaustive_front():
-    """Two-type mixes through the heterogeneous planner: bounding loses no front point."""
-    from hetplan.search.provision import provision
+def _hand_pareto(rows):
+    """Rows (key, time, cost) no other row beats: at least as fast and as cheap, better in
+    one (ties on both: the first listed stays)."""
+    out = []
+    for i, (k, t, c) in enumerate(rows):
+        beaten = any(
+            (t2 <= t and c2 <= c and (t2 < t or c2 < c)) or (t2 == t and c2 == c and j < i)
+            for j, (_, t2, c2) in enumerate(rows)
+            if j != i
+        )
+        if not beaten:
+            out.append((k, t, c))
+    return sorted(out, key=lambda r: r[1])
+
+
+def test_mixes_front_equals_an_independent_exhaustive_enumeration():
+    """Every (offer, node count) and every pair of them planned by the searches directly,
+    the Pareto set taken by hand: provisioning (bounded, mixes) returns exactly that set."""
+    from hetplan.cluster import Cluster
+    from hetplan.search.heterogeneous import search_heterogeneous
+    from hetplan.search.homogeneous import search_homogeneous
+    from hetplan.search.provision import PROVISION_SPACE, provision
 
     market = market_from_dict(
         {
             "offers": [
-                {
-                    "gpu": "A100-80GB",
-                    "gpus_per_node": 2,
-                    "max_nodes": 1,
-                    "on_demand_usd_per_gpu_hour": 3.43,
-                },
-                {
-                    "gpu": "T4",
-                    "gpus_per_node": 2,
-                    "max_nodes": 2,
-                    "on_demand_usd_per_gpu_hour": 0.526,
-                },
+                {"gpu": "A100-80GB", "gpus_per_node": 2, "max_nodes": 2,
+                 "on_demand_usd_per_gpu_hour": 3.43},
+                {"gpu": "T4", "gpus_per_node": 2, "max_nodes": 2,
+                 "on_demand_usd_per_gpu_hour": 0.526},
             ]
         }
-    )
-    model = load_model("gpt2")
-    fast = provision(model, market, 1e9, 16, "fp16", mixes=True, prune=True)
-    full = provision(model, market, 1e9, 16, "fp16", mixes=True, prune=False)
-    key = [(p.gpus, round(p.time_to_train_s, 6), round(p.total_cost_usd, 6)) for p in fast.front]
-    assert key == [
-        (p.gpus, round(p.time_to_train_s, 6), round(p.total_cost_usd, 6)) for p in full.front
-    ]
-    assert any(len(p.gpus) == 2 for p in full.points)
+    )  # fmt: skip
+    model, tokens, batch = load_model("gpt2"), 1e9, 16
+    rows = []
+    a, b = market.offers
+    for offer in market.offers:
+        for n in range(1, offer.max_nodes + 1):
+            found = search_homogeneous(model, offer.cluster(n), batch, "fp16", top_k=1,
+                                       space=PROVISION_SPACE)  # fmt: skip
+            t = tokens / found.ranked[0][1].tokens_per_s
+            gpus = n * offer.gpus_per_node
+            rows.append(({offer.gpu.name: gpus}, t, t / 3600 * gpus * offer.price(False)))
+    for na in range(1, a.max_nodes + 1):
+        for nb in range(1, b.max_nodes + 1):
+            cluster = Cluster(a.cluster(na).nodes + b.cluster(nb).nodes)
+            res = search_heterogeneous(model, cluster, batch, "fp16", 1)
+            t = tokens / res.ranked[0][1].tokens_per_s
+            ga, gb = na * a.gpus_per_node, nb * b.gpus_per_node
+            usd = ga * a.price(False) + gb * b.price(False)
+            rows.append(({a.gpu.name: ga, b.gpu.name: gb}, t, t / 3600 * usd))
+    want = _hand_pareto(rows)
+    assert want and any(len(k) == 2 for k, _, _ in rows)
+    got = provision(model, market, tokens, batch, "fp16", mixes=True, prune=True)
+    assert got.front
+    assert [p.gpus for p in got.front] == [k for k, _, _ in want]
+    for p, (_, t, c) in zip(got.front, want, strict=True):
+        assert p.time_to_train_s == pytest.approx(t, rel=1e-9)
+        assert p.total_cost_usd == pytest.approx(c, rel=1e-9)
+    # 4 single-type and 4 mixed configurations: each planned, pruned or impossible
+    assert got.planned + got.pruned + got.impossible == 8
+
+
+def test_time_limit_lists_every_mix_left_with_true_bounds():
+    """A time limit of 0 plans no mix: every mix is pruned, impossible or listed as
+    unexplored, and each listed bound is at most what the heterogeneous search then finds."""
+    from hetplan.cluster import Cluster
+    from hetplan.search.heterogeneous import search_heterogeneous
+    from hetplan.search.provision import provision
+
+    market = _market()
+    model, tokens, batch = load_model("gpt2"), 1e9, 16
+    got = provision(model, market, tokens, batch, "fp16", mixes=True, time_limit_s=0.0)
+    every = provision(model, market, tokens, batch, "fp16", mixes=True)
+    a, b = market.offers
+    n_mixes = a.max_nodes * b.max_nodes
+    assert got.unexplored  # a time limit of 0 leaves mixes
+    # single types as without a limit; no mix planned
+    assert [p.gpus for p in got.points] == [p.gpus for p in every.points if len(p.gpus) == 1]
+    singles = a.max_nodes + b.max_nodes
+    assert got.planned + got.pruned + got.impossible + len(got.unexplored) == singles + n_mixes
+    times = [u.time_bound_s for u in got.unexplored]
+    assert times == sorted(times)
+    for u in got.unexplored:
+        na, nb = u.gpus[a.gpu.name] // a.gpus_per_node, u.gpus[b.gpu.name] // b.gpus_per_node
+        res = search_heterogeneous(model, Cluster(a.cluster(na).nodes + b.cluster(nb).nodes),
+                                   batch, "fp16", 1)  # fmt: skip
+        t = tokens / res.ranked[0][1].tokens_per_s
+        usd = u.gpus[a.gpu.name] * a.price(False) + u.gpus[b.gpu.name] * b.price(False)
+        assert u.time_bound_s <= t * (1 + 1e-12)
+        assert u.cost_bound_usd <= t / 3600 * usd * (1 + 1e-12)
+        assert u.cost_bound_usd == pytest.approx(u.time_bound_s / 3600 * usd)
 
 
 def test_spot_recovery_term_uses_peer_first_model():
@@ -280,3 +344,90 @@ def test_max_gpus_below_an_offers_node_leaves_that_offer_out():
     res = provision(load_model("gpt2-medium"), _market(), 1e9, 64, "fp16", prune=False,
                     limits=PlanConstraints(max_gpus=4))  # fmt: skip
     assert res.points and all(p.gpus == {"T4": 4} for p in res.points)
+
+
+def test_messages_name_gpus_mark_missed_limits_and_label_mixed_plans():
+    """Issue 14: no Python repr in messages, points past the deadline marked, mixed plans
+    labelled per GPU type."""
+    from rich.console import Console
+
+    from hetplan.cluster import parse_inline_cluster
+    from hetplan.plan import Pipeline, Plan, Stage
+    from hetplan.report.pareto import front_table, plan_label
+    from hetplan.search.provision import Constraints, recommend
+
+    res = _front()
+    assert len(res.front) >= 2
+    none, why = recommend(res.front, "cost", Constraints(deadline_s=1.0))
+    assert none is None and "{" not in why and "'" not in why
+    assert any(f"{n} x {g}" in why for p in res.front for g, n in p.gpus.items())
+    # a deadline between the fastest and the slowest point: the slower ones are marked
+    times = sorted(p.time_to_train_s for p in res.front)
+    limit = Constraints(deadline_s=(times[0] + times[1]) / 2)
+    res.recommended, _ = recommend(res.front, "cost", limit)
+    console = Console(record=True, width=300)
+    console.print(front_table(res, "t", limit))
+    lines = [ln for ln in console.export_text().splitlines() if " x " in ln]
+    assert len(lines) == len(res.front)
+    marked = [ln for ln in lines if "past deadline" in ln]
+    assert len(marked) == len(res.front) - 1  # all but the fastest
+    from hetplan.report.pareto import result_json
+
+    js = result_json(res, limit)["front"]
+    assert js[0]["misses"] == [] and all(p["misses"] == ["past deadline"] for p in js[1:])
+    # a mixed plan: 2 A100 in one tp2 stage, 2 T4 in two tp1 stages of another pipeline
+    cluster = parse_inline_cluster("A100-80GB:1x2,T4:1x4")
+    a, t = (n.name for n in cluster.nodes)
+    plan = Plan(
+        16,
+        4,
+        (
+            Pipeline(12, (Stage(24, (f"{a}:0", f"{a}:1")),)),
+            Pipeline(4, (Stage(12, (f"{t}:0",)), Stage(12, (f"{t}:1",)))),
+        ),
+        zero_stage=1,
+    )
+    assert plan_label(plan, cluster) == (
+        "2 pipelines of 1-2 stages; A100-80GB: 2 GPUs, tp2, 1 stage; "
+        "T4: 2 GPUs, tp1, 2 stages; mb4 none z1, 2 GPUs idle"
+    )
+    # a symmetric plan keeps the short form
+    sym = Plan(16, 4, tuple(Pipeline(8, (Stage(24, (f"{t}:{2 * i}", f"{t}:{2 * i + 1}")),))
+                            for i in range(2)))  # fmt: skip
+    assert plan_label(sym, cluster) == "tp2 pp1 dp2 mb4 none z0, 2 GPUs idle"
+
+
+def test_cli_time_limit_reports_the_mixes_left(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    market = tmp_path / "m.yaml"
+    market.write_text(
+        "offers:\n"
+        "  - {gpu: A100-80GB, gpus_per_node: 2, max_nodes: 2, on_demand_usd_per_gpu_hour: 3.43}\n"
+        "  - {gpu: T4, gpus_per_node: 2, max_nodes: 2, on_demand_usd_per_gpu_hour: 0.526}\n"
+    )
+    base = [sys.executable, "-m", "hetplan", "provision", "--model", "gpt2", "--market",
+            str(market), "--tokens", "1e9", "-b", "16", "--precision", "fp16"]  # fmt: skip
+    run = subprocess.run(
+        [*base, "--mixes", "--time-limit", "0.001s", "--json"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    data = json.loads(run.stdout)
+    left = data["unexplored"]
+    assert left  # single types alone take longer than a millisecond
+    counted = (data["configurations_planned"] + data["configurations_pruned"]
+               + data["configurations_impossible"] + len(left))  # fmt: skip
+    assert counted == 4 + 4  # 2 + 2 single-type counts and 2 x 2 mixes
+    assert all(set(u["gpus"]) == {"A100-80GB", "T4"} and u["time_bound_s"] > 0 for u in left)
+    table = subprocess.run([*base, "--mixes", "--time-limit", "0.001s"], capture_output=True,
+                           text=True, timeout=300)  # fmt: skip
+    assert table.returncode == 0, table.stderr
+    assert f"{len(left)} mixes unexplored at the time limit" in " ".join(table.stdout.split())
+    bad = subprocess.run([*base, "--time-limit", "10s"], capture_output=True, text=True,
+                         timeout=120)  # fmt: skip
+    assert bad.returncode == 2
+    assert "--time-limit" in bad.stderr and "--mixes" in bad.stderr
+    assert "Traceback" not in bad.stderr

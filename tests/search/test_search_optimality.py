@@ -17,8 +17,10 @@ layers split as evenly as possible with the extra layers on the stages nearest t
 (inner stages before the first and last, ties to the earlier stage), at most one stage per
 layer; every micro-batch dividing the replica's batch, recomputation, ZeRO stage (ZeRO only
 with two replicas or more, ZeRO-2/3 only without pipelining, as the search documents),
-1F1B or Interleaved1F1B with 2..max virtual stages (pipelined plans only), and sequence
-parallelism (with TP > 1 only).
+1F1B or Interleaved1F1B with 2..max virtual stages (pipelined plans only; where the stages'
+layers do not split into equal chunks, Llama 3's layout when ``layers + 2 = pp * v * n``,
+n >= 1: chunks of n layers, the first stage's first and the last stage's last one lighter),
+and sequence parallelism (with TP > 1 only).
 
 Heterogeneous space (``search_heterogeneous`` docstrings): device classes (same GPU type,
 GPUs per node and links), a TP degree per class, micro-batch in (1, 2, 4, 8),
@@ -203,12 +205,22 @@ def megatron_plan(
     in node order (TP innermost, then DP, then PP)."""
     devs = _device_names(nodes)
     split = _middle_first_split(layers, pp)
+    v = int(options.get("virtual_stages", 1))  # type: ignore[call-overload]
+    chunks: list[tuple[int, ...] | None] = [None] * pp
+    if v > 1 and any(x % v for x in split):
+        # Llama 3's layout: pp * v chunks of n layers, the first stage's first chunk and the
+        # last stage's last chunk one lighter (layers + 2 = pp * v * n)
+        n = (layers + 2) // (pp * v)
+        chunks = [(n,) * v for _ in range(pp)]
+        chunks[0] = (n - 1,) + (n,) * (v - 1)
+        chunks[-1] = (n,) * (v - 1) + (n - 1,)
     pipelines = []
     for r in range(dp):
         stages = []
         for s in range(pp):
             rank0 = (s * dp + r) * tp
-            stages.append(Stage(split[s], tuple(devs[rank0 + t] for t in range(tp))))
+            devices = tuple(devs[rank0 + t] for t in range(tp))
+            stages.append(Stage(split[s], devices, chunks[s]))
         pipelines.append(Pipeline(global_batch // dp, tuple(stages)))
     return Plan(
         global_batch_size=global_batch,
@@ -249,6 +261,8 @@ def homogeneous_plans(
                     for v in range(2, knobs.max_virtual_stages + 1):
                         if all(x % v == 0 for x in split):
                             schedules.append(("Interleaved1F1B", v))
+                        elif (model.layers + 2) % (pp * v) == 0:
+                            schedules.append(("Interleaved1F1B", v))  # first/last lighter
                 zeros = [z for z in knobs.zero_stages if (z == 0 or dp > 1) and (z < 2 or pp == 1)]
                 for rc in knobs.recompute:
                     for zero in zeros:
@@ -896,3 +910,16 @@ def test_provisioning_recommends_the_exhaustive_best(case):
         f"{out.case}: objective cost ${out.search_cost_usd:.6g}, exhaustive "
         f"${out.brute_cost_usd:.6g}"
     )
+
+
+def test_homogeneous_first_plan_with_lightened_layouts_is_the_exhaustive_best():
+    """GPT-3 2.7B cut to 30 layers on 8 T4: 30 + 2 = 32 fills pp * v chunks of n >= 1 layers
+    for (pp, v) of (2, 2), (2, 4), (2, 8), (4, 2), (4, 4), (8, 2), and with one layer a chunk
+    (the first holding only the embedding, the last only the head) (4, 8), (8, 4); the best
+    plan is one of them (pp 4, v 4 at the time of writing), against the enumeration written
+    here."""
+    spec = replace(load_model("gpt3-2.7b"), layers=30, name="gpt3-2.7b-30L")
+    out = run_homogeneous(HomCase(spec, "T4:2x4", 32, "fp16"))
+    _check(out)
+    assert out.brute.best is not None
+    assert out.brute.best.pipelines[0].stages[0].chunks is not None

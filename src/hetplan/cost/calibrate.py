@@ -106,11 +106,13 @@ class Term:
     """Linear terms: the distance from the prior that costs as much as doubling a log term
     (0: the prior itself, for terms whose prior is not 0)."""
 
-    def prior_residual(self, x: float) -> float:
-        """Returns the weighted distance of the packed value ``x`` from the prior."""
+    def prior_residual(self, x: float, prior: float | None = None) -> float:
+        """Returns the weighted distance of the packed value ``x`` from the prior (the
+        term's own, or ``prior``)."""
+        p = self.prior if prior is None else prior
         if self.log:
-            return PRIOR_WEIGHT * (x - math.log(self.prior))
-        return PRIOR_WEIGHT * (x - self.prior) / (self.scale or self.prior)
+            return PRIOR_WEIGHT * (x - math.log(p))
+        return PRIOR_WEIGHT * (x - p) / (self.scale or self.prior)
 
 
 TERMS = (
@@ -144,6 +146,30 @@ TERMS = (
     Term("tp_overlap", "fraction", 0.0, 1.0, 0.5, False,
          "share of the tensor-parallel collectives hidden under the TP matmuls when overlapped"),
 )  # fmt: skip
+NVLINK4 = (0.75, 0.82, 0.95)
+NVLINK3 = (0.65, 0.75, 0.85)
+NVSWITCH_STEP = (1e-6, 1e-5, 2e-5)
+MEASURED_BOUNDS: dict[str, dict[str, tuple[float, float, float]]] = {
+    # NVLink/NVSwitch collectives as NCCL measures them (busbw / line rate per direction).
+    # H100 (NVLink4, 450 GB/s): "with the protocol overhead (~20%) NCCL can get an effective
+    # NVLink bandwidth of 370GB/s" for ring, all-gather and reduce-scatter; all-reduce over
+    # NVLink SHARP peaks at ~480 GB/s busbw (NCCL maintainer, NVIDIA/nccl-tests#212), so
+    # 0.82, and up to 1.07 for a plain all-reduce. A100 (NVLink3, 300 GB/s): 8 x A100 SXM4
+    # measure ~200 GB/s (NVIDIA/nccl-tests#149) to 230-250 GB/s busbw, 0.67-0.83. A fit
+    # left free put H100 at 0.28 and A100-80GB on the 0.95 bound, which no measurement of
+    # these links supports; without runs that time TP collectives alone, the data cannot
+    # separate link speed from the other terms.
+    # Per-step latency inside an NVSwitch node: a whole small all-reduce takes ~6 us on 2
+    # H100s over NVLink SHARP (NVIDIA/nccl#1259) and ~3.5 us on 4 H800s by ring
+    # (NVIDIA/nccl#1984), under 2 us a step; 20 us a step (280 us for an 8-GPU ring) is
+    # a generous ceiling. Left free, the fit used this term as a per-collective framework
+    # cost (118 us a step on H100).
+    "H100-80GB": {"link_efficiency": NVLINK4, "intra_latency_s": NVSWITCH_STEP},
+    "A100-80GB": {"link_efficiency": NVLINK3, "intra_latency_s": NVSWITCH_STEP},
+    "A100-40GB": {"link_efficiency": NVLINK3, "intra_latency_s": NVSWITCH_STEP},
+}
+"""(lower, prior, upper) set by measurements of the hardware itself (not by end-to-end
+runs), per GPU type, in place of ``TERMS``' bounds and prior for the fit."""
 PRIOR_WEIGHT = 0.05
 """Weight of the (log-)distance of each term from its prior: a weak pull that keeps
 terms the data says nothing about at their prior, and few rows from driving a term to a
@@ -159,15 +185,28 @@ MAX_EVALUATIONS = 120
 """Cap on residual evaluations per GPU type and fit (a fit converges in far fewer)."""
 
 
-def _pack(eff: GPUEfficiency) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def term_bounds(t: Term, gpu: str | None = None) -> tuple[float, float]:
+    """Returns the fit's bounds of term ``t`` for GPU type ``gpu`` (``MEASURED_BOUNDS``
+    where the hardware was measured, else the term's own)."""
+    lower, _, upper = MEASURED_BOUNDS.get(gpu or "", {}).get(t.name, (t.lower, 0.0, t.upper))
+    return lower, upper
+
+
+def term_prior(t: Term, gpu: str | None = None) -> float:
+    """Returns the fit's prior of term ``t`` for GPU type ``gpu``."""
+    return MEASURED_BOUNDS.get(gpu or "", {}).get(t.name, (0.0, t.prior, 0.0))[1]
+
+
+def _pack(eff: GPUEfficiency, gpu: str | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     x, lo, hi = [], [], []
     for t in TERMS:
+        lower, upper = term_bounds(t, gpu)
         value = getattr(eff, t.name)
         value = t.prior if value is None else value
         f = math.log if t.log else float
-        x.append(f(min(max(value, t.lower), t.upper)))
-        lo.append(f(t.lower))
-        hi.append(f(t.upper))
+        x.append(f(min(max(value, lower), upper)))
+        lo.append(f(lower))
+        hi.append(f(upper))
     return np.array(x), np.array(lo), np.array(hi)
 
 
@@ -251,20 +290,22 @@ def _residuals(
         sign = 1.0 if runs[best].metric == "iter_time_s" else -1.0
         predicted_gap = measured_gap + sign * (out[other] - out[best])
         out.append(PICK_WEIGHT * max(0.0, margin - predicted_gap))
-    for xi, t in zip(x, TERMS * len(gpus), strict=True):
-        out.append(t.prior_residual(xi))
+    priors = [term_prior(t, gpu) for gpu in gpus for t in TERMS]
+    for xi, t, prior in zip(x, TERMS * len(gpus), priors, strict=True):
+        out.append(t.prior_residual(xi, prior))
     return np.array(out)
 
 
-def _prior_eff() -> GPUEfficiency:
-    return GPUEfficiency(**{t.name: t.prior for t in TERMS})
+def _prior_eff(gpu: str | None = None) -> GPUEfficiency:
+    return GPUEfficiency(**{t.name: term_prior(t, gpu) for t in TERMS})
 
 
 def _fit_group(
     runs: list[Run], base: CostParams, gpus: tuple[str, ...], max_nfev: int
 ) -> CostParams:
     """Returns ``base`` with the terms of ``gpus`` fitted jointly, from their priors."""
-    x0, lo, hi = (np.concatenate([v] * len(gpus)) for v in _pack(_prior_eff()))
+    packed = [_pack(_prior_eff(gpu), gpu) for gpu in gpus]
+    x0, lo, hi = (np.concatenate([p[i] for p in packed]) for i in range(3))
     # a tolerance of 1e-4 on log errors is far below the data's own noise (~1%)
     args = (runs, base, gpus, _pick_pairs(runs))  # the pairs depend on the runs alone
     sol = least_squares(_residuals, x0, bounds=(lo, hi), args=args, x_scale="jac",
@@ -273,18 +314,20 @@ def _fit_group(
     return _with_terms(base, gpus, sol.x)
 
 
-def terms_report(eff: GPUEfficiency) -> dict[str, dict[str, Any]]:
-    """Returns each fitted term's value, unit, meaning and whether it sits on a bound."""
+def terms_report(eff: GPUEfficiency, gpu: str | None = None) -> dict[str, dict[str, Any]]:
+    """Returns each fitted term's value, unit, meaning and whether it sits on a bound (the
+    GPU type's measured bounds where it has them)."""
     out = {}
     for t in TERMS:
+        lower, upper = term_bounds(t, gpu)
         value = getattr(eff, t.name)
         value = t.prior if value is None else value
-        clamped = min(max(value, t.lower), t.upper)
-        span = (math.log(t.upper) - math.log(t.lower)) if t.log else (t.upper - t.lower)
-        pos = (math.log(clamped) - math.log(t.lower)) if t.log else (clamped - t.lower)
+        clamped = min(max(value, lower), upper)
+        span = (math.log(upper) - math.log(lower)) if t.log else (upper - lower)
+        pos = (math.log(clamped) - math.log(lower)) if t.log else (clamped - lower)
         bound = "lower" if pos <= 1e-3 * span else "upper" if pos >= span * (1 - 1e-3) else None
         out[t.name] = {"value": value, "unit": t.unit, "meaning": t.meaning,
-                       "bounds": [t.lower, t.upper], "at_bound": bound}  # fmt: skip
+                       "bounds": [lower, upper], "at_bound": bound}  # fmt: skip
     return out
 
 
@@ -321,14 +364,14 @@ def fit(runs: Iterable[Run], start: CostParams | None = None, max_nfev: int = MA
     # fitted ones and the fit repeated
     rounds = 2 if any(r.knobs for r in measured) else 1
     for gpu in sorted(set().union(*(_gpus_of(r) for r in measured))):
-        params = params.with_gpu(gpu, _prior_eff())
+        params = params.with_gpu(gpu, _prior_eff(gpu))
     for _ in range(rounds):
         fixed = [resolve(r, params) for r in measured]
         for gpus, group in _components(fixed):
             params = _fit_group(group, params, gpus, max_nfev)
     params = _with_default(params)
     reserve = fit_reserve_bytes(_memory_rows(list(runs), params), params.memory_reserve_bytes)
-    report = {gpu: terms_report(eff) for gpu, eff in params.gpus.items()}
+    report = {gpu: terms_report(eff, gpu) for gpu, eff in params.gpus.items()}
     coverage: dict[str, Any] = dict(params.fit_report.get("coverage", {}))
     for run in fixed:
         assert run.plan is not None and run.measured is not None
@@ -518,6 +561,7 @@ def shipped_files() -> list[Path]:
         "megatron_selective_published.csv",
         "amp_t4_homogeneous.csv",
         "sharded_dp_published.csv",
+        "bloom_published.csv",
     )
     return [root / name for name in names]
 

@@ -26,6 +26,34 @@ def gemm_time_s(
     return flops / (peak_flops * gemm_efficiency(eff, m, k, n))
 
 
+FLASH_ATTENTION_SLOWDOWN = 1.25
+"""A fused attention kernel keeps the scores on chip; its matmuls run this much slower."""
+
+
+def attention_gemm_s(
+    eff: GPUEfficiency,
+    peak_flops: float,
+    q_len: float,
+    kv_len: float,
+    head_dim: float,
+    batch: float,
+    flash_attention: bool,
+    value_dim: float | None = None,
+) -> float:
+    """Returns the forward matmul time of attention: scores (q_len x head_dim) @ (head_dim x
+    kv_len) and context (q_len x kv_len) @ (kv_len x value_dim), ``batch`` heads of each."""
+    dv = head_dim if value_dim is None else value_dim
+    t = gemm_time_s(eff, peak_flops, q_len, head_dim, kv_len, batch) + gemm_time_s(
+        eff, peak_flops, q_len, kv_len, dv, batch
+    )
+    return t * FLASH_ATTENTION_SLOWDOWN if flash_attention else t
+
+
+def elementwise_bytes_per_s(gpu: GPUType, eff: GPUEfficiency) -> float:
+    """Returns the memory bandwidth elementwise kernels reach (a fitted share of HBM's)."""
+    return gpu.hbm_bytes_per_s * eff.mem_efficiency
+
+
 @dataclass(frozen=True)
 class LayerTimes:
     """Per micro-batch compute times of one piece of the model, in seconds."""
@@ -73,9 +101,7 @@ def layer_times(
         + gemm_time_s(eff, peak, tokens, f / tp, h)
     )
     heads_local = micro_batch * a / tp
-    attn_gemm = gemm_time_s(eff, peak, s, dh, s, heads_local) + gemm_time_s(
-        eff, peak, s, s, dh, heads_local
-    )
+    attn_gemm = attention_gemm_s(eff, peak, s, s, dh, heads_local, flash_attention)
     # elementwise traffic (bytes), forward: norms, residuals, activation, dropout, rope
     drop = 1.0 if model.dropout else 0.0
     # the region every TP rank repeats on the whole sequence (without sequence parallelism)
@@ -91,13 +117,10 @@ def layer_times(
     else:
         elem += tokens * (h + kv) / tp * e * 2 * 2  # rotary on q and k
     scores = heads_local * s * s
-    if flash_attention:
-        attn_elem = 0.0
-        # the fused kernel keeps scores on chip; its matmuls run at a lower efficiency
-        attn_gemm *= 1.25
-    else:
-        attn_elem = scores * (e * 2 * 2 + drop * (2 * e + 1))  # scale+mask+softmax, dropout
-    mem_bw = gpu.hbm_bytes_per_s * eff.mem_efficiency
+    # scale+mask+softmax, dropout; a fused kernel keeps the scores on chip (its matmuls'
+    # slowdown is in attention_gemm_s)
+    attn_elem = 0.0 if flash_attention else scores * (e * 2 * 2 + drop * (2 * e + 1))
+    mem_bw = elementwise_bytes_per_s(gpu, eff)
     kernels = 14 + (4 if model.dropout else 0) + (2 if model.gated else 0)
     launch = kernels * eff.kernel_overhead_s
     # sequence parallelism runs the forward's replicated region on 1/tp of the tokens; its
@@ -120,7 +143,7 @@ def embedding_times(
     e = element_bytes(precision)
     tokens = float(micro_batch * model.seq)
     traffic = tokens * model.hidden * e * (3 if model.family == "gpt" else 2)
-    mem_bw = gpu.hbm_bytes_per_s * eff.mem_efficiency
+    mem_bw = elementwise_bytes_per_s(gpu, eff)
     fwd = traffic / mem_bw + 3 * eff.kernel_overhead_s
     return LayerTimes(fwd, 2 * fwd, 0.0)
 
@@ -136,7 +159,7 @@ def head_times(
     gemm = gemm_time_s(eff, peak, tokens, model.hidden, model.vocab / tp)
     # norm, then the vocab-parallel cross-entropy on fp32 logits (max, exp-sum, gather)
     traffic = tokens * model.hidden * e * 2 + tokens * model.vocab / tp * (e + 4 * 3)
-    mem_bw = gpu.hbm_bytes_per_s * eff.mem_efficiency
+    mem_bw = elementwise_bytes_per_s(gpu, eff)
     fwd = gemm + traffic / mem_bw + 6 * eff.kernel_overhead_s
     return LayerTimes(fwd, 2 * gemm + 2 * traffic / mem_bw + 12 * eff.kernel_overhead_s, 0.0)
 
@@ -149,4 +172,4 @@ def optimizer_time_s(
     # the weights are stored in fp32: fp32 and tf32)
     e = element_bytes(precision)
     traffic = params_local * (4 * 4 + 4 * 3 + (0 if e == 4 else e))
-    return traffic / (gpu.hbm_bytes_per_s * eff.mem_efficiency)
+    return traffic / elementwise_bytes_per_s(gpu, eff)

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections import Counter
+from dataclasses import dataclass, field, replace
 from itertools import pairwise
 from typing import Any
 
@@ -15,14 +16,16 @@ from hetplan.cost.memory import (
     state_bytes,
     zero3_working_bytes,
 )
+from hetplan.cost.money import MoneyParts, node_parts
 from hetplan.cost.params import CostParams, default_params
-from hetplan.cost.schedule import Replay, peak_in_flight, pipeline_replay, replay
+from hetplan.cost.pipeline_classes import pipeline_classes
+from hetplan.cost.schedule import Replay, held_layers, peak_in_flight, pipeline_replay, replay
 from hetplan.cost.sharding import bucket_count, exposed_sync_s, zero3_exposed_s
 from hetplan.cost.sources import ComputeSource, LayerTimeSource, combine_sources
 from hetplan.cost.trust import warnings_for
 from hetplan.hardware import GPUType
 from hetplan.model import ModelSpec
-from hetplan.plan import Plan, element_bytes, validate_plan
+from hetplan.plan import Pipeline, Plan, Stage, element_bytes, validate_plan
 
 
 @dataclass
@@ -80,13 +83,31 @@ class StageEstimate:
         return self.capacity_bytes - self.memory.total
 
 
+ITERATION_TERMS = (
+    "forward_s",
+    "backward_s",
+    "recompute_s",
+    "tensor_parallel_comm_s",
+    "pipeline_p2p_wait_s",
+    "sharded_dp_comm_s",
+    "pipeline_bubble_s",
+    "data_parallel_sync_s",
+    "optimizer_s",
+)
+"""The breakdown's terms that add up to the iteration time of the critical stage; the
+other keys (per-micro-batch send, total gradient sync, micro-batch overhead) describe
+parts already inside these."""
+
+
 @dataclass
 class Estimate:
     """Predicted iteration time, memory, throughput and price of one plan."""
 
     iteration_time_s: float
     breakdown: dict[str, float]
-    stages: list[StageEstimate]
+    distinct_stages: list[StageEstimate]
+    """The stages of each distinct pipeline (its first replica's index and devices):
+    identical pipelines on identical hardware are costed once; ``stages`` expands them."""
     pipeline_times_s: list[float]
     fits: bool
     tokens_per_s: float
@@ -103,41 +124,95 @@ class Estimate:
     warnings: list[str] = field(default_factory=list)
     """Why the prediction deserves less trust (uncalibrated GPU, regime no measured run
     covers, MFU above the best measured); filled by ``hetplan.cost.trust``."""
+    pipeline_class: list[int] = field(default_factory=list, repr=False)
+    """Per pipeline: the pipeline whose stages in ``distinct_stages`` it repeats."""
+    plan_pipelines: tuple[Pipeline, ...] = field(default=(), repr=False)
+    cost_parts: MoneyParts | None = None
+    """``cost_usd_per_hour`` split into rental, amortisation and energy."""
+    _expanded: list[StageEstimate] | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def stages(self) -> list[StageEstimate]:
+        """Returns every stage of every pipeline, pipeline by pipeline (a repeated pipeline
+        gets copies of its class's stages with its own index and devices); built on first
+        use."""
+        if self._expanded is None:
+            own: dict[int, list[StageEstimate]] = {}
+            for st in self.distinct_stages:
+                own.setdefault(st.pipeline, []).append(st)
+            out: list[StageEstimate] = []
+            for r, rep in enumerate(self.pipeline_class):
+                if r == rep:
+                    out.extend(own[rep])
+                    continue
+                pipe = self.plan_pipelines[r]
+                out.extend(
+                    replace(st, pipeline=r, devices=pipe.stages[st.stage].devices)
+                    for st in own[rep]
+                )
+            self._expanded = out if self.pipeline_class else list(self.distinct_stages)
+        return self._expanded
+
+    @property
+    def replicas(self) -> dict[int, int]:
+        """Returns, per distinct pipeline (its first index), how many pipelines repeat it."""
+        return dict(Counter(self.pipeline_class))
 
     @property
     def peak_memory_bytes(self) -> dict[str, float]:
-        """Returns peak bytes per device name."""
+        """Returns peak bytes per device name (every device: expands the stages)."""
         return {d: s.memory.total for s in self.stages for d in s.devices}
 
-    def to_json(self) -> dict[str, Any]:
-        """Returns the JSON object the CLI prints."""
-        return {
+    @property
+    def max_memory_bytes(self) -> float:
+        """Returns the largest per-device peak."""
+        return max(s.memory.total for s in self.distinct_stages)
+
+    def to_json(self, expand: bool = False) -> dict[str, Any]:
+        """Returns the JSON object the CLI prints: per distinct stage its replicas and peak
+        memory; ``expand``: also the peak memory of every device."""
+        count = self.replicas
+        out = {
             "iteration_time_s": self.iteration_time_s,
             "tokens_per_s": self.tokens_per_s,
             "tflops_per_gpu": self.tflops_per_gpu,
             "hardware_tflops_per_gpu": self.hardware_tflops_per_gpu,
             "mfu": self.mfu,
             "fits": self.fits,
-            "peak_memory_gb": {d: round(b / 1e9, 4) for d, b in self.peak_memory_bytes.items()},
+            "max_peak_memory_gb": round(self.max_memory_bytes / 1e9, 4),
             "cost_usd_per_hour": self.cost_usd_per_hour,
             "usd_per_million_tokens": self.usd_per_million_tokens,
+            "cost_parts_usd_per_hour": None
+            if self.cost_parts is None
+            else self.cost_parts.to_json(),
+            "cost_parts_usd_per_million_tokens": None
+            if self.cost_parts is None
+            else self.cost_parts.scaled(1e6 / (self.tokens_per_s * 3600)).to_json(),
             "breakdown": self.breakdown,
             "pipeline_times_s": self.pipeline_times_s,
             "compute_source": self.compute_source,
             "stages": [
                 {
                     "pipeline": st.pipeline,
+                    "replicas": count.get(st.pipeline, 1),
                     "stage": st.stage,
                     "gpu": st.gpu,
+                    "tp": len(st.devices),
                     "layers": st.layers,
+                    "peak_memory_gb": round(st.memory.total / 1e9, 4),
                     "compute_source": st.compute_source,
                 }
-                for st in self.stages
+                for st in self.distinct_stages
             ],
             "peak_used": self.peak_used,
             "bottleneck": self.bottleneck,
             "warnings": self.warnings,
         }
+        if expand:
+            out["peak_memory_gb"] = {
+                d: round(b / 1e9, 4) for d, b in self.peak_memory_bytes.items()
+            }
+        return out
 
 
 @dataclass(frozen=True)
@@ -197,7 +272,11 @@ def stage_times(
     fwd += overhead / 2
     bwd += overhead / 2
     act = mb * model.seq * model.hidden * element_bytes(prec)
-    lc = src.ask("part_times", gpu, model, "tp_comm", tp, mb, prec) if tp > 1 else None
+    lc = None
+    if tp > 1:  # as measured; with SP, its own collectives where the profile has them
+        sp_part = "tp_comm_sp" if plan.sequence_parallel else "tp_comm"
+        lc = src.ask("part_times", gpu, model, sp_part, tp, mb, prec)
+        lc = lc if lc is not None else src.ask("part_times", gpu, model, "tp_comm", tp, mb, prec)
     if lc is not None:  # one layer's collectives as measured (zero: inside the layer times)
         full = plan.recompute == "full"
         tp_comm = key.layers * (lc.forward_s + lc.backward_s + (lc.forward_s if full else 0.0))
@@ -239,6 +318,28 @@ def part_split(
         ht = src.head(model, gpu, params, tp, mb, prec, flash).times
         hf, hb = ht.forward_s, ht.backward_s
     return ef, eb, hf, hb
+
+
+def uneven_chunks(stage: Stage, v: int) -> tuple[int, ...] | None:
+    """Returns the stage's per-chunk layers where its chunks differ in size, else None (the
+    even split, costed as before)."""
+    chunks = stage.chunks
+    if chunks is None or v <= 1 or len(set(chunks)) == 1:
+        return None
+    return chunks
+
+
+def chunk_split(
+    full_s: float, empty_s: float, layers: int, chunks: tuple[int, ...], extra_s: float = 0.0
+) -> list[float]:
+    """Returns per-chunk times of a stage's ``len(chunks)`` chunks from its per-micro-batch
+    time with its layers (``full_s``) and without them (``empty_s``, the same stage's
+    ``stage_times`` for zero layers: the per-chunk fixed costs): each chunk takes an equal
+    share of the fixed costs and of ``extra_s`` and its own layers' share of the rest
+    (stage times are affine in the layers)."""
+    v = len(chunks)
+    per_layer = (full_s - empty_s) / layers if layers else 0.0
+    return [(empty_s + extra_s) / v + n * per_layer for n in chunks]
 
 
 def p2p_wait_s(sends: list[float], j: int, v: int, exposed: float) -> float:
@@ -294,6 +395,16 @@ def sharded_microbatch_s(
     if plan.zero_stage == 3:
         per_layer = model.layer_params() / tp
         rest = max(total - layers * per_layer, 0.0)  # embedding and head
+        # a profile (hetplan profile --links) may hold one layer's ZeRO-3 cost measured as
+        # it runs, overlap included, for a group of this size: used as it is, per layer
+        part = f"zero3_comm_dp{len(group)}"
+        gpu = group[0].gpu
+        lz = params.compute.ask(
+            "part_times", gpu, model, part, tp, plan.micro_batch_size, plan.precision
+        )
+        if lz is not None and len({n.gpu.name for n in group}) == 1:
+            ends = zero3_exposed_s(gather(rest), scatter(rest), 1, 0.0, 0.0) if rest else 0.0
+            return layers * (lz.forward_s + lz.backward_s) + ends, 0.0
         units = layers + (1 if rest > 0 else 0)
         g = layers * gather(per_layer) + (gather(rest) if rest > 0 else 0.0)
         r = layers * scatter(per_layer) + (scatter(rest) if rest > 0 else 0.0)
@@ -322,18 +433,25 @@ def pipeline_talkers(plan: Plan, node_of: Any) -> dict[str, int]:
 
 def _sync_groups(plan: Plan, model: ModelSpec) -> list[tuple[float, list[tuple[int, int]]]]:
     """Returns [(parameters, [(pipeline, stage), ...])] per layer segment shared by replicas."""
+    # pipelines with the same stage boundaries hold a segment at the same stage
+    kinds: dict[tuple[tuple[int, int], ...], list[int]] = {}
+    for r, pipe in enumerate(plan.pipelines):
+        kinds.setdefault(tuple(pipe.layer_ranges()), []).append(r)
     bounds = {0, model.layers}
-    for pipe in plan.pipelines:
-        for a, _ in pipe.layer_ranges():
+    for ranges in kinds:
+        for a, _ in ranges:
             bounds.add(a)
     cuts = sorted(bounds)
     out = []
     for a, b in pairwise(cuts):
-        holders = []
-        for r, pipe in enumerate(plan.pipelines):
-            for j, (x, y) in enumerate(pipe.layer_ranges()):
+        stage_of = [0] * plan.dp
+        holds = [False] * plan.dp
+        for ranges, rs in kinds.items():
+            for j, (x, y) in enumerate(ranges):
                 if x <= a < y:
-                    holders.append((r, j))
+                    for r in rs:
+                        stage_of[r], holds[r] = j, True
+        holders = [(r, stage_of[r]) for r in range(plan.dp) if holds[r]]
         params = (b - a) * model.layer_params()
         if a == 0:
             params += model.embedding_params()
@@ -354,17 +472,44 @@ class SyncLayout:
     members: list[list[list[Node]]]
     concurrency: dict[str, int]
     dp_members: dict[tuple[int, int], list[Node]]
+    classes: dict[bool, tuple[Any, ...]] = field(default_factory=dict, repr=False)
+    """``layout_classes``' memo: per interleaving, (pipelines, talkers, pipeline classes)."""
+
+
+def layout_classes(
+    plan: Plan, layout: SyncLayout, node_of: Any
+) -> tuple[dict[str, int], list[int]]:
+    """Returns the plan's ``pipeline_talkers`` and ``pipeline_classes``, memoised in its
+    layout for the same pipelines (searches estimate many knob settings of one layout)."""
+    key = plan.virtual_stages > 1
+    hit = layout.classes.get(key)
+    if hit is not None and hit[0] is plan.pipelines:
+        return hit[1], hit[2]
+    talkers = pipeline_talkers(plan, node_of)
+    classes = pipeline_classes(plan, node_of, talkers, layout.dp_members)
+    layout.classes[key] = (plan.pipelines, talkers, classes)
+    return talkers, classes
 
 
 def sync_layout(plan: Plan, model: ModelSpec, node_of: Any) -> SyncLayout:
     """Returns the data-parallel layout of ``plan`` (``node_of``: device name -> Node)."""
     groups = _sync_groups(plan, model) if plan.dp > 1 else []
     group_members: list[list[list[Node]]] = []
+    one_node: dict[tuple[int, int], bool] = {}  # a stage's TP group on one node
     for _, holders in groups:
         tps = [plan.pipelines[r].stages[j].tp for r, j in holders]
         tp_min = min(tps)
-        per_rank = []
+        for r, j in holders:
+            if (r, j) not in one_node:
+                devs = plan.pipelines[r].stages[j].devices
+                name = devs[0].rpartition(":")[0]
+                one_node[(r, j)] = all(d.rpartition(":")[0] == name for d in devs)
+        same = all(one_node[h] for h in holders)  # then every rank sees the same nodes
+        per_rank: list[list[Node]] = []
         for i in range(tp_min):
+            if same and per_rank:
+                per_rank.append(per_rank[0])
+                continue
             per_rank.append([node_of(plan.pipelines[r].stages[j].devices[i]) for r, j in holders])
         group_members.append(per_rank)
     crossing: dict[str, set[str]] = {}
@@ -400,18 +545,21 @@ def grad_sync_times(layout: SyncLayout, plan: Plan, params: CostParams) -> list[
             out.append(0.0)
             continue
         tp_min = len(per_rank)
-        out.append(
-            max(
-                comm.group_allreduce_s(
-                    n_params * GRAD_BYTES / tp_min,
-                    members,
-                    params,
-                    layout.concurrency,
+        times: dict[int, float] = {}  # ranks on the same nodes share one list: once each
+        for members in per_rank:
+            if id(members) not in times:
+                times[id(members)] = comm.group_allreduce_s(
+                    n_params * GRAD_BYTES / tp_min, members, params, layout.concurrency
                 )
-                for members in per_rank
-            )
-        )
+        out.append(max(times.values()))
     return out
+
+
+REPLAY_MEMO_SIZE = 50_000
+"""Replays kept across estimate() calls (searches estimate many plans whose pipelines run
+the same times): a replay is a pure function of its signature (schedule, micro-batches,
+chunks, chunk times, sends); cleared when full."""
+_REPLAYS: dict[tuple[Any, ...], Replay] = {}
 
 
 def estimate(
@@ -423,11 +571,15 @@ def estimate(
     record: bool = False,
     validate: bool = True,
     layout: SyncLayout | None = None,
+    dedupe: bool = True,
 ) -> Estimate:
     """Returns the predicted iteration time, memory, throughput and price of ``plan``.
 
     ``layout``: the plan's ``sync_layout`` when the caller already has it (it depends on
-    the pipelines' devices and layers only; searches reuse one per device layout)."""
+    the pipelines' devices and layers only; searches reuse one per device layout).
+    Pipelines identical for the cost model (``pipeline_classes``) are costed once; with
+    ``dedupe`` False every pipeline is costed on its own (the reference tests hold the
+    shared path against)."""
     if validate:
         validate_plan(plan, model, cluster)
     params = params or default_params()
@@ -445,11 +597,13 @@ def estimate(
     v = plan.virtual_stages
     if layout is None:
         layout = sync_layout(plan, model, node_of)
-    act_memo: dict[tuple[int, int, bool, bool, int], float] = {}
+    act_memo: dict[tuple[Any, ...], float] = {}
     groups = layout.groups
     concurrency, dp_members = layout.concurrency, layout.dp_members
     gather_memo: dict[tuple[Any, ...], tuple[float, float]] = {}
-    talkers = pipeline_talkers(plan, node_of)
+    talkers, pipe_class = layout_classes(plan, layout, node_of)
+    if not dedupe:
+        pipe_class = list(range(dp))
     stages: list[StageEstimate] = []
     replays: list[Replay] = []
     pipeline_times: list[float] = []
@@ -458,6 +612,12 @@ def estimate(
     stage_memo: dict[tuple[Any, ...], tuple[float, float, float, float, float, str]] = {}
     opt_memo: dict[tuple[Any, ...], float] = {}
     for r, pipe in enumerate(plan.pipelines):
+        same = pipe_class[r]
+        if same != r:  # a repeat of an earlier pipeline on identical hardware: its results
+            replays.append(replays[same])
+            pipeline_times.append(pipeline_times[same])
+            by_pipe.append(by_pipe[same])
+            continue
         p = len(pipe.stages)
         m = plan.num_micro_batches(pipe)
         nodes = [node_of(s.devices[0]) for s in pipe.stages]
@@ -466,7 +626,8 @@ def estimate(
             node = nodes[j]
             first, last = j == 0, j == p - 1
             # replicas repeat the same stages: compute each distinct one once
-            memo_key = (id(node), stage.tp, stage.layers, first, last, p == 1)
+            memo_key = (id(node.gpu), node.intra_node_bytes_per_s, stage.tp, stage.layers,
+                        first, last, p == 1)  # fmt: skip
             hit = stage_memo.get(memo_key)
             if hit is None:
                 key = StageKey(
@@ -497,13 +658,15 @@ def estimate(
             if plan.zero_stage == 3 and dp > 1:
                 w += zero3_working_bytes(model, stage.tp, plan.precision)
             units = peak_in_flight(plan.schedule, p, m, v, j)
-            akey = (stage.tp, stage.layers, first, last, units)
+            uneven = uneven_chunks(stage, v)
+            akey = (stage.tp, stage.layers, first, last, units, uneven)
             acts = act_memo.get(akey, -1.0)
             if acts < 0:
+                held = held_layers(plan.schedule, p, m, j, uneven) if uneven else None
                 acts = act_memo[akey] = stage_activation_bytes(
                     model, stage.layers, stage.tp, plan.micro_batch_size,
                     plan.sequence_parallel, plan.recompute, plan.flash_attention, first, last,
-                    units, v, plan.precision,
+                    units, v, plan.precision, held,
                 )  # fmt: skip
             mem = MemoryBreakdown(w, g, o, acts, params.memory_reserve_bytes)
             eff = params.gpu(node.gpu.name)
@@ -540,8 +703,8 @@ def estimate(
             st.p2p_wait_s = p2p_wait_s(
                 [x.send_s for x in row], j, v, params.gpu(st.gpu).p2p_exposed
             )
-        # chunk times: layers split evenly over v chunks; the embedding runs on chunk 0 of the
-        # first stage and the head on chunk v-1 of the last
+        # chunk times: layers split evenly over v chunks unless a stage states its chunks;
+        # the embedding runs on chunk 0 of the first stage and the head on chunk v-1 of the last
         fwd_c, bwd_c = [], []
         for j, st in enumerate(row):
             ef = eb = hf = hb = 0.0
@@ -549,12 +712,27 @@ def estimate(
                 gpu = node_of(st.devices[0]).gpu
                 ef, eb, hf, hb = part_split(plan, model, gpu, len(st.devices), j == 0,
                                              j == p - 1, params)  # fmt: skip
-            f = (st.forward_s - ef - hf + st.p2p_wait_s / 2) / v
-            b = (st.backward_s + st.recompute_s + st.tp_comm_s + st.zero_comm_s - eb - hb
-                 + st.p2p_wait_s / 2) / v  # fmt: skip
-            fwd_c.append([f + (ef if c == 0 else 0.0) + (hf if c == v - 1 else 0.0)
+            b_side = st.backward_s + st.recompute_s + st.tp_comm_s
+            uneven = uneven_chunks(pipe.stages[j], v)
+            if uneven is None:
+                f = (st.forward_s - ef - hf + st.p2p_wait_s / 2) / v
+                b = (b_side + st.zero_comm_s - eb - hb + st.p2p_wait_s / 2) / v
+                fs, bs = [f] * v, [b] * v
+            else:  # each chunk its own layers' share, the fixed costs evenly
+                node = nodes[j]
+                ekey = (id(node), len(st.devices), 0, j == 0, j == p - 1, p == 1)
+                empty = stage_memo.get(ekey)
+                if empty is None:
+                    key0 = StageKey(node.gpu, node.intra_node_bytes_per_s, len(st.devices), 0,
+                                    j == 0, j == p - 1, p == 1)  # fmt: skip
+                    empty = stage_memo[ekey] = stage_times(plan, model, key0, node, params)
+                fs = chunk_split(st.forward_s - ef - hf, empty[0] - ef - hf, st.layers, uneven,
+                                 st.p2p_wait_s / 2)  # fmt: skip
+                bs = chunk_split(b_side - eb - hb, sum(empty[1:4]) - eb - hb, st.layers, uneven,
+                                 st.zero_comm_s + st.p2p_wait_s / 2)  # fmt: skip
+            fwd_c.append([fs[c] + (ef if c == 0 else 0.0) + (hf if c == v - 1 else 0.0)
                           for c in range(v)])  # fmt: skip
-            bwd_c.append([b + (eb if c == 0 else 0.0) + (hb if c == v - 1 else 0.0)
+            bwd_c.append([bs[c] + (eb if c == 0 else 0.0) + (hb if c == v - 1 else 0.0)
                           for c in range(v)])  # fmt: skip
         sends = [st.send_s for st in row]
         sig = (
@@ -565,13 +743,16 @@ def estimate(
             tuple(map(tuple, bwd_c)),
             tuple(sends),
         )
-        rep = replay_cache.get(sig)
+        rep = replay_cache.get(sig) if record else _REPLAYS.get(sig)
         if rep is None:
             if record:
-                rep = replay(plan.schedule, m, v, fwd_c, bwd_c, sends, record=True)
+                rep = replay_cache[sig] = replay(plan.schedule, m, v, fwd_c, bwd_c, sends,
+                                                 record=True)  # fmt: skip
             else:
                 rep = pipeline_replay(plan.schedule, m, v, fwd_c, bwd_c, sends)
-            replay_cache[sig] = rep
+                if len(_REPLAYS) >= REPLAY_MEMO_SIZE:
+                    _REPLAYS.clear()
+                _REPLAYS[sig] = rep
         replays.append(rep)
         pipeline_times.append(rep.makespan_s)
         for j, st in enumerate(row):
@@ -626,7 +807,7 @@ def estimate(
         "microbatch_overhead_s": n_mb * crit.overhead_s,
     }
     tokens = plan.global_batch_size * model.seq
-    n_gpus = len(plan.devices())
+    n_gpus = sum(st.tp for pipe in plan.pipelines for st in pipe.stages)
     model_flops = plan.global_batch_size * model.model_flops_per_sequence()
     if plan.recompute == "full":
         extra = plan.global_batch_size * model.layers * model.layer_flops()
@@ -635,11 +816,15 @@ def estimate(
     else:
         extra = 0.0
     gpu_of = {node_of(st.devices[0]).gpu.name: node_of(st.devices[0]).gpu for st in stages}
-    peak_sum = sum(node_of(d).gpu.peak_flops(plan.precision) for d in plan.devices())
-    price: float | None = 0.0
-    for d in plan.devices():
-        node_price = node_of(d).usd_per_gpu_hour
-        price = None if price is None or node_price is None else price + node_price
+    peak_sum = 0.0
+    money: MoneyParts | None = MoneyParts()  # rental, amortisation, energy (cost/money.py)
+    for row in by_pipe:  # per stage: its devices' peaks and prices (one node each)
+        for st in row:
+            node, n = node_of(st.devices[0]), len(st.devices)
+            peak_sum += n * node.gpu.peak_flops(plan.precision)
+            part = node_parts(node)
+            money = None if money is None or part is None else money + part.scaled(n)
+    price = None if money is None else money.total
     tokens_per_s = tokens / iteration
     fits = all(s.memory.total <= s.capacity_bytes for s in stages)
     bottleneck = (
@@ -649,7 +834,7 @@ def estimate(
     est = Estimate(
         iteration_time_s=iteration,
         breakdown=breakdown,
-        stages=stages,
+        distinct_stages=stages,
         pipeline_times_s=pipeline_times,
         fits=fits,
         tokens_per_s=tokens_per_s,
@@ -662,6 +847,9 @@ def estimate(
         bottleneck=bottleneck,
         replays=replays,
         peak_used={st.gpu: gpu_of[st.gpu].peak_label(plan.precision) for st in stages},
+        pipeline_class=pipe_class,
+        plan_pipelines=plan.pipelines,
+        cost_parts=money,
     )
     est.warnings = warnings_for(plan, est, cluster, params)
     return est

@@ -79,8 +79,10 @@ def stage_activation_bytes(
     in_flight: int,
     v: int,
     precision: str = "bf16",
+    held: tuple[tuple[int, int], ...] | None = None,
 ) -> float:
-    """Returns the activation bytes a stage holds at its peak with ``in_flight`` chunks."""
+    """Returns the activation bytes a stage holds at its peak with ``in_flight`` chunks
+    (``held``: for chunks of different sizes, ``schedule.held_layers`` instead)."""
     e = element_bytes(precision)
     layer = micro_batch * model.layer_activation_bytes(
         tp, sequence_parallel, recompute, flash_attention, e
@@ -93,7 +95,7 @@ def stage_activation_bytes(
             tp, sequence_parallel, "none", flash_attention, e
         )
     return combine_activation_bytes(layers, layer, embed, head, working, first, last,
-                                    in_flight, v)  # fmt: skip
+                                    in_flight, v, held)  # fmt: skip
 
 
 def combine_activation_bytes(
@@ -106,14 +108,20 @@ def combine_activation_bytes(
     last: bool,
     in_flight: int,
     v: int,
+    held: tuple[tuple[int, int], ...] | None = None,
 ) -> float:
     """Returns a stage's peak activation bytes from one micro-batch's per-piece bytes.
 
     ``working_bytes``: under full recomputation, the layer being recomputed holds its full
-    activations during its backward (0 otherwise).
+    activations during its backward (0 otherwise). ``held``: where chunks differ in size,
+    the (layers, chunk-0 micro-batches) held at the candidate peaks of the stage's action
+    order (``schedule.held_layers``); None: ``in_flight`` chunks of ``layers / v`` layers.
     """
-    out = in_flight * layers / v * layer_bytes
-    if first:
+    if held is not None:
+        out = max(a * layer_bytes + (b * embed_bytes if first else 0.0) for a, b in held)
+    else:
+        out = in_flight * layers / v * layer_bytes
+    if first and held is None:
         out += math.ceil(in_flight / v) * embed_bytes
     if last:
         # the loss's logits live only between the last chunk's forward and backward

@@ -12,7 +12,7 @@ from typing import Any
 
 from hetplan.cluster import Cluster, cluster_from_dict
 from hetplan.cost.estimate import Estimate
-from hetplan.errors import InputError
+from hetplan.errors import InputError, shown
 from hetplan.model import ModelSpec
 from hetplan.plan import Pipeline, Plan, Stage
 from hetplan.search.layout import uniform_plan
@@ -87,7 +87,9 @@ class _Row:
         try:
             value = int(raw)
         except ValueError:
-            raise InputError(column, f"{self.where}: expected an integer, got {raw!r}") from None
+            raise InputError(
+                column, f"{self.where}: expected an integer, got {shown(raw)}"
+            ) from None
         if value <= 0:
             raise InputError(column, f"{self.where}: must be positive, got {value}")
         return value
@@ -101,7 +103,7 @@ class _Row:
         try:
             value = float(raw)
         except ValueError:
-            raise InputError(column, f"{self.where}: expected a number, got {raw!r}") from None
+            raise InputError(column, f"{self.where}: expected a number, got {shown(raw)}") from None
         if not value > 0:
             raise InputError(column, f"{self.where}: must be positive, got {value}")
         return value
@@ -109,7 +111,7 @@ class _Row:
     def flag(self, column: str, default: bool) -> bool:
         raw = self.text(column, "true" if default else "false").lower()
         if raw not in ("true", "false", "1", "0", "yes", "no"):
-            raise InputError(column, f"{self.where}: expected true or false, got {raw!r}")
+            raise InputError(column, f"{self.where}: expected true or false, got {shown(raw)}")
         return raw in ("true", "1", "yes")
 
 
@@ -174,9 +176,11 @@ def _amp_stage_layers(row: _Row, layers: int) -> list[int]:
     try:
         cuts = [int(x) for x in raw.split(";")]
     except ValueError:
-        raise InputError("layer_partition", f"{row.where}: expected 0;..;30, got {raw!r}") from None
+        raise InputError(
+            "layer_partition", f"{row.where}: expected 0;..;30, got {shown(raw)}"
+        ) from None
     if cuts[0] != 0 or cuts[-1] != _AMP_UNITS or cuts != sorted(cuts) or layers != 24:
-        raise InputError("layer_partition", f"{row.where}: not a 30-unit partition: {raw!r}")
+        raise InputError("layer_partition", f"{row.where}: not a 30-unit partition: {shown(raw)}")
     return [len(set(range(a, b)) & set(range(2, 26))) for a, b in pairwise(cuts)]
 
 
@@ -187,7 +191,9 @@ def _amp_run(row: _Row, source: str) -> Run:
     shape = {k: int(v) for v, k in re.findall(r"(\d+)\s*(layers|hidden|seq|vocab)", text)}
     shape.update({k: int(v) for k, v in re.findall(r"(hidden|seq|vocab)\s+(\d+)", text)})
     if set(shape) != {"layers", "hidden", "seq", "vocab"}:
-        raise InputError("model", f"{row.where}: cannot read layers/hidden/seq/vocab in {text!r}")
+        raise InputError(
+            "model", f"{row.where}: cannot read layers/hidden/seq/vocab in {shown(text)}"
+        )
     h = shape["hidden"]
     model = ModelSpec("GPT-2 (AMP)", "gpt", shape["layers"], h, h // 64, h // 64, 4 * h,
                       shape["vocab"], shape["seq"], tie_embeddings=True)  # fmt: skip
@@ -273,10 +279,10 @@ def _sailor_run(row: _Row, source: str) -> Run:
         split = [int(x) for x in raw.split("/")]
     except ValueError:
         raise InputError(
-            "layers_per_stage", f"{row.where}: expected 4/7/7/6, got {raw!r}"
+            "layers_per_stage", f"{row.where}: expected 4/7/7/6, got {shown(raw)}"
         ) from None
     if len(split) != pp or sum(split) != model.layers:
-        raise InputError("layers_per_stage", f"{row.where}: {raw!r} is not {pp} stages of "
+        raise InputError("layers_per_stage", f"{row.where}: {shown(raw)} is not {pp} stages of "
                          f"{model.layers} layers")  # fmt: skip
     cluster = _cluster(row.text("gpu_type"), nodes, gpn)
     # fp32 training in an NGC container: matmuls on TF32 tensor cores (see the data README);
@@ -330,7 +336,9 @@ def _manifest_runs(path: Path) -> list[Run]:
         validate_plan(plan, model, cluster)
         value = item["measured_iter_s"]
         if value is not None and (not isinstance(value, int | float) or value <= 0):
-            raise InputError(f"{where}.measured_iter_s", f"must be a positive number: {value!r}")
+            raise InputError(
+                f"{where}.measured_iter_s", f"must be a positive number: {shown(value)}"
+            )
         out.append(Run(path.name, str(item.get("label", plan_path.stem)), model, cluster,
                        "iter_time_s", None if value is None else float(value), plan))  # fmt: skip
     return out

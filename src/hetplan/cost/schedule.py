@@ -31,6 +31,32 @@ def peak_in_flight(schedule: str, p: int, m: int, v: int, rank: int) -> int:
     return min(warmup_forwards(schedule, p, m, v, rank) + 1, m * v)
 
 
+def held_layers(
+    schedule: str, p: int, m: int, rank: int, chunks: tuple[int, ...]
+) -> tuple[tuple[int, int], ...]:
+    """Returns what stage ``rank`` holds activations for at its fullest, with chunk ``c`` of
+    ``chunks[c]`` layers: the (layers, chunk-0 micro-batches) pairs after each forward of
+    its action order that no other such pair exceeds in both (the peak of any positive mix
+    of per-layer and embedding bytes is one of them)."""
+    return _held_layers(schedule, p, m, rank, tuple(chunks))
+
+
+@lru_cache(maxsize=4096)
+def _held_layers(
+    schedule: str, p: int, m: int, rank: int, chunks: tuple[int, ...]
+) -> tuple[tuple[int, int], ...]:
+    held = held0 = 0
+    states: set[tuple[int, int]] = set()
+    for kind, _, c in _stage_order(schedule, p, m, len(chunks), rank):
+        sign = 1 if kind == "F" else -1
+        held += sign * chunks[c]
+        held0 += sign * (c == 0)
+        if kind == "F":
+            states.add((held, held0))
+    top = [s for s in states if not any(o != s and o[0] >= s[0] and o[1] >= s[1] for o in states)]
+    return tuple(sorted(top))
+
+
 def stage_order(schedule: str, p: int, m: int, v: int, rank: int) -> list[Action]:
     """Returns the actions of stage ``rank`` in execution order."""
     return list(_stage_order(schedule, p, m, v, rank))

@@ -30,7 +30,7 @@ def plan_regime(plan: Plan) -> dict[str, Any]:
         "pp": max(len(p.stages) for p in plan.pipelines),
         "zero": plan.zero_stage,
         "precision": plan.precision,
-        "gpus": len(plan.devices()),
+        "gpus": sum(s.tp for p in plan.pipelines for s in p.stages),
     }
 
 
@@ -63,8 +63,9 @@ def warnings_for(plan: Plan, est: Estimate, cluster: Cluster, params: CostParams
     out: list[str] = []
     coverage: dict[str, Any] = params.fit_report.get("coverage", {})
     regime = plan_regime(plan)
-    gpus = {s.gpu for s in est.stages}
-    measured_gpus = {s.gpu for s in est.stages if s.compute_source in ("measured", "interpolated")}
+    distinct = est.distinct_stages  # every stage's GPU and source, repeated pipelines once
+    gpus = {s.gpu for s in distinct}
+    measured_gpus = {s.gpu for s in distinct if s.compute_source in ("measured", "interpolated")}
     best_any = max((c.get("best_mfu", 0.0) for c in coverage.values()), default=0.0)
     for name in sorted(gpus):
         cov = coverage.get(name)

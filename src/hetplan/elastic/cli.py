@@ -49,6 +49,8 @@ def replan_report(
     storage_bw: str | None,
     search: bool,
     profile: Path | None = None,
+    seq_len: int | None = None,
+    params_path: Path | None = None,
 ) -> tuple[dict[str, Any], Any]:
     """Returns the JSON report of a replan (new plan, times, changes, recovery) and the plan;
     compute times come from the measured ``profile`` (else $HETPLAN_PROFILE) first."""
@@ -59,9 +61,9 @@ def replan_report(
     from hetplan.model import load_model
     from hetplan.plan import load_plan, validate_plan
 
-    model = load_model(model_spec)
+    model = load_model(model_spec, seq_len)
     cluster = load_cluster(cluster_spec)
-    params = load_cost(None, profile)
+    params = load_cost(params_path, profile)
     plan = load_plan(plan_path)
     validate_plan(plan, model, cluster)
     joined = load_cluster(joined_spec) if joined_spec else None
@@ -85,8 +87,8 @@ def replan_report(
 
 def replan_cmd(
     plan: Annotated[Path, typer.Option("--plan", help="The plan that was running (JSON).")],
-    model: Annotated[str, typer.Option("--model", help="Catalog name or config.json.")],
-    cluster: Annotated[str, typer.Option("--cluster", help="Cluster file or inline spec.")],
+    model: Annotated[str, typer.Option("--model", "-m", help="Catalog name or config.json.")],
+    cluster: Annotated[str, typer.Option("--cluster", "-c", help="Cluster file or inline spec.")],
     lost: Annotated[str, typer.Option("--lost", help="Lost nodes: NODE[,NODE...].")],
     joined: Annotated[
         str | None, typer.Option("--joined", help="Cluster file of nodes that joined.")
@@ -96,7 +98,9 @@ def replan_cmd(
         typer.Option(help="Storage bandwidth (default: the cluster file's, else 10 Gbit/s)."),
     ] = None,
     search: Annotated[bool, typer.Option(help="Also run the full heterogeneous search.")] = False,
-    out: Annotated[Path | None, typer.Option("--out", help="Write the new plan here.")] = None,
+    out: Annotated[
+        Path | None, typer.Option("--out", "-o", help="Write the new plan here.")
+    ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
     profile: Annotated[
         Path | None,
@@ -106,12 +110,19 @@ def replan_cmd(
             show_default=False,
         ),
     ] = None,
+    seq_len: Annotated[
+        int | None, typer.Option("--seq-len", help="Override the sequence length.")
+    ] = None,
+    params_path: Annotated[
+        Path | None, typer.Option("--params", help="Cost-model parameters (hetplan calibrate).")
+    ] = None,
 ) -> None:
     """Replan on the nodes that remain after a preemption and plan the state's recovery."""
     names = _names(lost)
     report, new_plan = replan_report(
-        plan, model, cluster, names, joined, storage_bandwidth, search, profile
-    )
+        plan, model, cluster, names, joined, storage_bandwidth, search, profile, seq_len,
+        params_path,
+    )  # fmt: skip
     if out is not None:
         new_plan.save(out)
     if as_json:

@@ -83,6 +83,8 @@ def run_elastic(
     local_root = Path(cfg.local_dir)
     store = ShardStore(cfg.storage)
     recoveries: list[dict[str, Any]] = []
+    done: list[dict[str, Any]] = []
+    """Steps of earlier attempts, up to the checkpoint each recovery resumed from."""
     with tempfile.TemporaryDirectory(prefix="hetplan-elastic-") as tmp:
         cur = replace(cfg, result=str(Path(tmp) / "result.json"))
         checked = preflight(cur)
@@ -91,8 +93,12 @@ def run_elastic(
         for attempt in range(max_recoveries + 1):
             order = preflight(cur).devices
             failed = launch_workers(cur, len(order))
+            step_log = Path(f"{cur.result}.steps")
+            attempt_steps = _read_steps(step_log)
+            step_log.unlink(missing_ok=True)
             if not failed:
                 record: dict[str, Any] = json.loads(Path(cur.result or "").read_text())
+                record["steps_before_recovery"] = done
                 record["recoveries"] = recoveries
                 record["plan"] = plan.to_dict()
                 return record
@@ -105,6 +111,7 @@ def run_elastic(
                 raise RuntimeError(f"gave up after {max_recoveries} recoveries")
             t0 = time.perf_counter()
             res = replan(plan, model, alive, killed)
+            done.extend(attempt_steps)
             for node in killed:  # a preempted node's disk goes with it
                 shutil.rmtree(local_root / node, ignore_errors=True)
             units = list(shard_bytes(model))
@@ -130,10 +137,12 @@ def run_elastic(
             plan, alive = res.plan, res.cluster
             plan_path = Path(tmp) / f"plan_{attempt + 1}.json"
             plan.save(plan_path)
+            done[:] = [s for s in done if s["step"] <= found.step]
             recoveries.append(
                 {
                     "lost": killed,
                     "step": found.step,
+                    "steps_lost": len(attempt_steps) and attempt_steps[-1]["step"] - found.step,
                     "plan": plan.to_dict(),
                     "replan_time_s": res.replan_time_s,
                     "measured_recovery_s": measured_s,
@@ -145,3 +154,15 @@ def run_elastic(
             )
             cur = replace(cur, plan=str(plan_path), resume=True)
     raise AssertionError("unreachable")
+
+
+def _read_steps(path: Path) -> list[dict[str, Any]]:
+    """Returns the steps rank 0 logged (one JSON object a line; a torn last line skipped)."""
+    out = []
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                break
+    return out

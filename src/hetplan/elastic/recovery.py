@@ -28,7 +28,7 @@ from scipy.optimize import Bounds, LinearConstraint, linprog, milp
 
 from hetplan.cluster import Cluster
 from hetplan.elastic.placement import node_shards, shard_bytes
-from hetplan.errors import InputError
+from hetplan.errors import InputError, shown
 from hetplan.model import ModelSpec
 from hetplan.plan import Plan
 
@@ -74,7 +74,9 @@ class RecoveryProblem:
             raise InputError("recovery", "hash throughput must be positive, file latency >= 0")
         for node in set(self.need) | set(self.held):
             if self.nic_bytes_per_s.get(node, 0.0) <= 0:
-                raise InputError("network_bandwidth", f"node {node!r} has no positive bandwidth")
+                raise InputError(
+                    "network_bandwidth", f"node {shown(node)} has no positive bandwidth"
+                )
 
     def sources(self, node: str, shard: str) -> list[str]:
         """Returns the sources that can send ``shard`` to ``node`` (peers, then storage)."""

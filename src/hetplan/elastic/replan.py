@@ -46,14 +46,16 @@ def surviving_cluster(cluster: Cluster, lost: list[str], joined: Cluster | None)
     names = [n.name for n in cluster.nodes]
     for name in lost:
         if cluster.node_or_none(name) is None:
-            raise InputError("--lost", f"node {name!r} is not in the cluster (nodes: {names})")
+            raise InputError(
+                "--lost", f"node {name} is not in the cluster (its nodes: {', '.join(names)})"
+            )
     if len(set(lost)) != len(lost):
         raise InputError("--lost", "a node is named twice")
     rest = [n for n in cluster.nodes if n.name not in set(lost)]
     extra = list(joined.nodes) if joined is not None else []
     for node in extra:
         if node.name in {n.name for n in rest}:
-            raise InputError("--joined", f"node {node.name!r} is already in the cluster")
+            raise InputError("--joined", f"node {node.name} is already in the cluster")
     if not rest and not extra:
         raise InputError(
             "--lost", f"every node of the cluster is lost ({', '.join(lost)}); nothing to train on"
@@ -198,6 +200,10 @@ def _repair(
     return best[0], best[1], notes
 
 
+def _nums(values: list[int]) -> str:
+    return ", ".join(map(str, values))
+
+
 def describe_changes(old: Plan, new: Plan, lost: list[str]) -> list[str]:
     """Returns one line per change between two plans."""
     out = [f"lost nodes: {', '.join(lost)}"] if lost else []
@@ -211,12 +217,13 @@ def describe_changes(old: Plan, new: Plan, lost: list[str]) -> list[str]:
     ob = [p.batch_size for p in old.pipelines]
     nb = [p.batch_size for p in new.pipelines]
     if ob != nb:
-        out.append(f"batch shares: {ob} -> {nb}")
+        out.append(f"batch shares: {_nums(ob)} -> {_nums(nb)}")
     for i, pipe in enumerate(new.pipelines):
         layers = [s.layers for s in pipe.stages]
         before = [s.layers for s in old.pipelines[i].stages] if i < old.dp else None
         if before != layers:
-            out.append(f"pipeline {i} layers: {before} -> {layers}")
+            was = "none" if before is None else _nums(before)
+            out.append(f"pipeline {i} layers: {was} -> {_nums(layers)}")
     for key in ("schedule", "recompute", "micro_batch_size"):
         if getattr(old, key) != getattr(new, key):
             out.append(f"{key}: {getattr(old, key)} -> {getattr(new, key)}")

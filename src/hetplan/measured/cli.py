@@ -30,7 +30,7 @@ def _format(fmt: str | None, path: Path) -> str:
             raise InputError("--format", f"cannot tell the format of {path.name}: sailor or csv")
         return guess
     if fmt not in FORMATS:
-        raise InputError("--format", f"{fmt!r} is not sailor or csv")
+        raise InputError("--format", f"'{fmt}' is not sailor or csv")
     return fmt
 
 
@@ -38,7 +38,9 @@ def import_profile(
     file: Annotated[
         Path | None, typer.Argument(help="Profile file: Sailor JSON or the CSV of docs/measured.md")
     ] = None,
-    out: Annotated[Path | None, typer.Option("--out", help="Database to add the rows to.")] = None,
+    out: Annotated[
+        Path | None, typer.Option("--out", "-o", help="Database to add the rows to.")
+    ] = None,
     fmt: Annotated[
         str | None, typer.Option("--format", help="sailor or csv (default: by suffix).")
     ] = None,

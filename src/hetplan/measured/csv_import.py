@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from hetplan.cost.compute import LayerTimes
-from hetplan.errors import InputError
+from hetplan.errors import InputError, shown
 from hetplan.measured.importers import (
     ImportBatch,
     NetworkPointRow,
@@ -93,7 +93,9 @@ def read_profile_csv(
         model = resolve_model(row["model"], bindings, f"{at}:model")
         part = row["part"]
         if part not in PROFILE_PARTS:
-            raise InputError(f"{at}:part", f"{part!r} is not one of {', '.join(PROFILE_PARTS)}")
+            raise InputError(
+                f"{at}:part", f"{shown(part)} is not one of {', '.join(PROFILE_PARTS)}"
+            )
         tp = positive_int(row["tp"], f"{at}:tp", "tp")
         if model.heads % tp or model.ffn % tp:
             raise InputError(
@@ -148,7 +150,7 @@ def read_network_csv(path: Path) -> ImportBatch:
         gpu = resolve_gpu(row["gpu"], f"{at}:gpu")
         scope = row["scope"]
         if scope not in SCOPES:
-            raise InputError(f"{at}:scope", f"{scope!r} is not intra or inter")
+            raise InputError(f"{at}:scope", f"{shown(scope)} is not intra or inter")
         n = positive_int(row["gpus"], f"{at}:gpus", "gpus")
         size = positive_number(row["size_bytes"], f"{at}:size_bytes", "size_bytes")
         bps = positive_number(row["bytes_per_s"], f"{at}:bytes_per_s", "bytes_per_s")

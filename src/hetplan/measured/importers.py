@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hetplan.cost.compute import LayerTimes
-from hetplan.errors import InputError
+from hetplan.errors import InputError, shown
 from hetplan.hardware import GPUType, get_gpu
 from hetplan.measured.network import SailorFit
 from hetplan.measured.profile_db import LayerRecord, ProfileDB
@@ -128,9 +128,9 @@ def parse_bindings(items: list[str]) -> dict[str, ModelSpec]:
         name, sep, target = item.partition("=")
         name, target = name.strip(), target.strip()
         if not sep or not name or not target:
-            raise InputError("--model", f"expected NAME=MODEL, got {item!r}")
+            raise InputError("--model", f"expected NAME=MODEL, got {shown(item)}")
         if name in out:
-            raise InputError("--model", f"{name!r} is bound twice")
+            raise InputError("--model", f"{shown(name)} is bound twice")
         out[name] = load_model(target)
     return out
 
@@ -143,7 +143,7 @@ def resolve_model(name: str, bindings: dict[str, ModelSpec], where: str) -> Mode
     if name.strip().lower() in catalog_models():
         return load_model(name)
     raise InputError(
-        where, f"model {name!r} is not bound: add --model {name}=<catalog name or config.json>"
+        where, f"model {shown(name)} is not bound: add --model {name}=<catalog name or config.json>"
     )
 
 
@@ -160,7 +160,7 @@ def resolve_gpu(name: str, where: str, precision: str | None = None) -> GPUType:
 def check_precision(precision: str, where: str) -> str:
     """Returns ``precision`` if it is one of PRECISIONS."""
     if precision not in PRECISIONS:
-        raise InputError(where, f"{precision!r} is not one of {', '.join(PRECISIONS)}")
+        raise InputError(where, f"{shown(precision)} is not one of {', '.join(PRECISIONS)}")
     return precision
 
 
@@ -168,7 +168,7 @@ def positive_int(value: object, where: str, what: str) -> int:
     """Returns ``value`` (an int, or its decimal text) if it is a positive integer."""
     text = str(value).strip()
     if isinstance(value, bool) or not text.isdigit() or int(text) <= 0:
-        raise InputError(where, f"{what} must be a positive integer, got {value!r}")
+        raise InputError(where, f"{what} must be a positive integer, got {shown(value)}")
     return int(text)
 
 
@@ -177,10 +177,10 @@ def positive_number(value: object, where: str, what: str, allow_zero: bool = Fal
     try:
         x = float(value)  # type: ignore[arg-type]
     except (TypeError, ValueError):
-        raise InputError(where, f"{what} must be a number, got {value!r}") from None
+        raise InputError(where, f"{what} must be a number, got {shown(value)}") from None
     if isinstance(value, bool) or not math.isfinite(x) or x < 0 or (x == 0 and not allow_zero):
         need = "a non-negative" if allow_zero else "a positive"
-        raise InputError(where, f"{what} must be {need} number, got {value!r}")
+        raise InputError(where, f"{what} must be {need} number, got {shown(value)}")
     return x
 
 

@@ -23,6 +23,7 @@ from hetplan.errors import InputError
 from hetplan.hardware import GPUType
 from hetplan.measured.network import SCOPES, SailorFit, point_bandwidth, sailor_bandwidth
 from hetplan.measured.schema import (
+    LAYER_SHAPED_PARTS,
     LINKS,
     OPTIMIZER_PARTS,
     PARTS,
@@ -31,6 +32,7 @@ from hetplan.measured.schema import (
     LayerPoint,
     LayerRecord,
     default_db_path,
+    is_part,
     part_key,
     shape_from_key,
     shape_key,
@@ -53,7 +55,8 @@ __all__ = [
 
 
 def _key(model: ModelSpec, part: str) -> str:
-    return shape_key(model) if part in ("layer", "tp_comm") else part_key(model)
+    shaped = part in LAYER_SHAPED_PARTS or part.startswith("zero3_comm_dp")
+    return shape_key(model) if shaped else part_key(model)
 
 
 def _interpolate(mbs: list[int], table: dict[int, LayerTimes], mb: int) -> LayerTimes | None:
@@ -237,7 +240,7 @@ class ProfileDB:
         times: LayerTimes,
     ) -> None:
         """Stores the measured forward and backward time of one part (see PARTS)."""
-        if part not in PARTS:
+        if not is_part(part):
             raise ValueError(f"unknown part {part!r}")
         key = (device, _key(model, part), part, tp, micro_batch, precision)
         row = (*key, times.forward_s, times.backward_s)

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from hetplan.cost.compute import LayerTimes
-from hetplan.errors import InputError
+from hetplan.errors import InputError, shown
 from hetplan.hardware import GPUType, get_gpu
 from hetplan.measured.importers import (
     ImportBatch,
@@ -121,13 +121,14 @@ def _layers(layers: Any, where: str) -> list[tuple[float, float, float]]:
     if sorted(by_id) != list(range(len(by_id))) or len(by_id) < 3:
         raise InputError(
             where,
-            f"layer ids must be 0 (embedding), 1.. (layers), last (head); got {sorted(by_id)}",
+            "layer ids must be 0 (embedding), 1.. (layers), last (head); got "
+            + ", ".join(map(str, sorted(by_id))),
         )
     out = []
     for i in range(len(by_id)):
         at, value = f"{where}.{i}", by_id[i]
         if not isinstance(value, list) or len(value) != 3:
-            raise InputError(at, f"expected [forward_s, backward_s, update_s], got {value!r}")
+            raise InputError(at, f"expected [forward_s, backward_s, update_s], got {shown(value)}")
         names = ("forward_s", "backward_s", "update_s")
         f, b, u = (positive_number(v, at, n) for v, n in zip(value, names, strict=True))
         out.append((f, b, u))
@@ -209,11 +210,11 @@ def _is_entry(value: Any) -> bool:
 
 def _fit(value: Any, where: str) -> SailorFit:
     if not _is_entry(value) or len(value[0]) != 3:
-        raise InputError(where, f"expected [[c2, c1, c0], max_bytes_per_s], got {value!r}")
+        raise InputError(where, f"expected [[c2, c1, c0], max_bytes_per_s], got {shown(value)}")
     coeffs = []
     for c in value[0]:
         if isinstance(c, bool) or not isinstance(c, int | float):
-            raise InputError(where, f"coefficients must be numbers, got {c!r}")
+            raise InputError(where, f"coefficients must be numbers, got {shown(c)}")
         coeffs.append(float(c))
     peak = positive_number(value[1], where, "max_bytes_per_s")
     return SailorFit(coeffs[0], coeffs[1], coeffs[2], peak)

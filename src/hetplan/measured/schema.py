@@ -134,8 +134,20 @@ def shape_from_key(key: str) -> ModelSpec:
     )
 
 
-PARTS = ("embed", "head", "tp_comm")
-"""Measured pieces besides layers: embedding, head with loss, a layer's TP collectives."""
+PARTS = ("embed", "head", "tp_comm", "tp_comm_sp")
+"""Measured pieces besides layers: embedding, head with loss, a layer's TP collectives
+(``tp_comm_sp``: with sequence parallelism), and ``zero3_comm_dpN`` (is_part): one layer's
+ZeRO-3 gathers and reduce-scatters over N ranks, as the runtime's profile measures them."""
+LAYER_SHAPED_PARTS = ("layer", "tp_comm", "tp_comm_sp")
+"""Parts keyed by the whole layer shape (the others by part_key)."""
+
+
+def is_part(name: str) -> bool:
+    """Returns whether ``name`` is a part the profile stores (PARTS or zero3_comm_dpN)."""
+    suffix = name.removeprefix("zero3_comm_dp")
+    return name in PARTS or (suffix != name and suffix.isdigit() and int(suffix) > 1)
+
+
 OPTIMIZER_PARTS = ("layer", "embed", "head")
 """Pieces whose optimizer step is stored: one transformer layer, the embedding, the head."""
 LINKS = ("p2p", "allreduce", "pipeline")

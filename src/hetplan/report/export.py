@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from hetplan.chunk_layout import format_megatron_layout
 from hetplan.errors import InputError
 from hetplan.model import ModelSpec
 from hetplan.plan import Plan
@@ -51,18 +52,22 @@ def megatron_args(plan: Plan, model: ModelSpec) -> list[str]:
             "--disable-bias-linear",
             "--untie-embeddings-and-output-weights",
         ]
-    if len(set(layers)) > 1:
+    v = plan.virtual_stages if plan.schedule == "Interleaved1F1B" else 1
+    chunks = [s.chunk_layers(v) for s in plan.pipelines[0].stages]
+    even_chunks = len({n for ch in chunks for n in ch}) == 1
+    middle = layers[1:-1]
+    if v > 1 and even_chunks:
+        args.append(f"--num-layers-per-virtual-pipeline-stage={chunks[0][0]}")
+    elif len(set(layers)) > 1 and len(set(middle)) <= 1 and pp > 1 and v == 1:
         # Megatron-Core places uneven first/last stages with these two flags
-        middle = layers[1:-1]
-        if len(set(middle)) > 1 or pp < 2:
-            raise InputError("plan", f"Megatron-LM cannot place layers {layers} (uneven middle)")
         args += [
             f"--decoder-first-pipeline-num-layers={layers[0]}",
             f"--decoder-last-pipeline-num-layers={layers[-1]}",
         ]
-    if plan.schedule == "Interleaved1F1B" and plan.virtual_stages > 1:
-        args.append(f"--num-layers-per-virtual-pipeline-stage={layers[0] // plan.virtual_stages}")
-    elif plan.schedule == "GPipe" and pp > 1:
+    elif len(set(layers)) > 1 or not even_chunks:
+        # any other layout: Megatron-Core's layout string (virtual stages in order)
+        args.append(f"--pipeline-model-parallel-layout={format_megatron_layout(chunks)}")
+    if plan.schedule == "GPipe" and pp > 1:
         raise InputError("schedule", "Megatron-LM has no GPipe schedule (use 1F1B)")
     if plan.recompute == "full":
         args += [
@@ -91,14 +96,42 @@ def megatron_args(plan: Plan, model: ModelSpec) -> list[str]:
     return [a for a in args if a]
 
 
+DEEPSPEED_TOP_LEVEL_KEYS = frozenset(
+    {
+        "train_batch_size",
+        "train_micro_batch_size_per_gpu",
+        "gradient_accumulation_steps",
+        "zero_optimization",
+        "activation_checkpointing",
+        "gradient_clipping",
+        "fp16",
+        "bf16",
+    }
+)
+"""The keys ``deepspeed_config`` may write: all documented at deepspeed.ai/docs/config-json."""
+
+
+def _deepspeed_layers(plan: Plan) -> list[int]:
+    layers = [s.layers for s in plan.pipelines[0].stages]
+    if len(set(layers)) > 1:
+        raise InputError(
+            "plan",
+            f"DeepSpeed's pipeline engine splits layers evenly or by parameter count; this "
+            f"plan's stages hold {', '.join(map(str, layers))} layers",
+        )
+    return layers
+
+
 def deepspeed_config(plan: Plan, model: ModelSpec) -> dict[str, Any]:
-    """Returns a DeepSpeed JSON configuration for the plan (with Megatron-DeepSpeed's
-    parallel sizes under ``hetplan``, as DeepSpeed takes TP/PP from the launcher)."""
-    tp, pp, dp = _require_uniform(plan, "DeepSpeed")
+    """Returns a DeepSpeed JSON configuration for the plan: only keys DeepSpeed documents
+    (``DEEPSPEED_TOP_LEVEL_KEYS``). DeepSpeed takes the tensor- and pipeline-parallel sizes
+    from the launcher, not from this file: ``deepspeed_launch_args`` gives them."""
+    _, pp, dp = _require_uniform(plan, "DeepSpeed")
     if plan.zero_stage >= 2 and pp > 1:
         raise InputError("zero_stage", "DeepSpeed runs ZeRO-2/3 without pipeline parallelism")
     if plan.schedule == "Interleaved1F1B":
         raise InputError("schedule", "DeepSpeed's pipeline engine has no interleaved schedule")
+    _deepspeed_layers(plan)
     per_replica = plan.global_batch_size // dp
     config: dict[str, Any] = {
         "train_batch_size": plan.global_batch_size,
@@ -109,24 +142,38 @@ def deepspeed_config(plan: Plan, model: ModelSpec) -> dict[str, Any]:
             "overlap_comm": plan.overlap_grad_reduce,
             "contiguous_gradients": True,
         },
-        "activation_checkpointing": {
+        "gradient_clipping": 1.0,
+    }
+    if plan.recompute != "none":
+        config["activation_checkpointing"] = {
             "partition_activations": plan.sequence_parallel,
             "contiguous_memory_optimization": False,
-            "number_checkpoints": model.layers if plan.recompute != "none" else None,
-        },
-        "gradient_clipping": 1.0,
-        "hetplan": {
-            "tensor_parallel_size": tp,
-            "pipeline_parallel_size": pp,
-            "data_parallel_size": dp,
-            "pipeline_layers_per_stage": [s.layers for s in plan.pipelines[0].stages],
-            "recompute": plan.recompute,
-        },
-    }
+            "number_checkpoints": model.layers,
+        }
     if plan.precision == "fp16":
         config["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": 16}
     elif plan.precision == "bf16":
         config["bf16"] = {"enabled": True}
-    if plan.recompute == "none":
-        del config["activation_checkpointing"]
     return config
+
+
+def deepspeed_launch_args(plan: Plan, config_path: str) -> list[str]:
+    """Returns the Megatron-DeepSpeed arguments that carry what a DeepSpeed configuration
+    cannot: the parallel sizes and recomputation, with the configuration's path."""
+    tp, pp, _ = _require_uniform(plan, "DeepSpeed")
+    args = [
+        "--deepspeed",
+        f"--deepspeed_config={config_path}",
+        f"--tensor-model-parallel-size={tp}",
+        f"--pipeline-model-parallel-size={pp}",
+    ]
+    if pp == 1:
+        args.append("--no-pipeline-parallel")
+    args.append(f"--zero-stage={plan.zero_stage}")
+    if plan.recompute == "full":
+        args += ["--checkpoint-activations", "--deepspeed-activation-checkpointing"]
+    elif plan.recompute == "selective":
+        args.append("--recompute-granularity=selective")
+    if plan.sequence_parallel:
+        args.append("--sequence-parallel")
+    return args

@@ -7,56 +7,122 @@ from typing import Any
 
 from rich.table import Table
 
-from hetplan.search.provision import Constraints, Point, ProvisionResult
+from hetplan.cluster import Cluster
+from hetplan.plan import Plan
+from hetplan.search.provision import Constraints, Point, ProvisionResult, gpus_label
 
 
 def point_json(p: Point) -> dict[str, Any]:
     """Returns a point as the JSON object of `provision --json`."""
     return {
         "gpus": p.gpus,
+        "owned_gpus": p.owned,
         "spot": p.spot,
+        "pricing": p.pricing,
         "time_to_train_s": p.time_to_train_s,
         "total_cost_usd": p.total_cost_usd,
         "usd_per_hour": p.usd_per_hour,
         "plan": None if p.plan is None else p.plan.to_dict(),
         "iteration_time_s": None if p.estimate is None else p.estimate.iteration_time_s,
         "mfu": None if p.estimate is None else p.estimate.mfu,
+        "cost_parts_usd_per_hour": None
+        if p.estimate is None or p.estimate.cost_parts is None
+        else p.estimate.cost_parts.to_json(),
+        "plan_label": None if p.plan is None else plan_label(p.plan, p.cluster),
     }
 
 
-def result_json(res: ProvisionResult) -> dict[str, Any]:
-    """Returns the JSON object of `provision --json`."""
+def result_json(res: ProvisionResult, constraints: Constraints | None = None) -> dict[str, Any]:
+    """Returns the JSON object of `provision --json` (each front point with the limits it
+    misses: "past deadline", "over budget", "over hourly cap")."""
     rec = None
     if res.recommended is not None:
         rec = point_json(res.recommended) | {"reason": res.reason}
     return {
-        "front": [point_json(p) for p in res.front],
+        "front": [
+            point_json(p) | {"misses": [m for m in _missed(p, constraints).split(", ") if m]}
+            for p in res.front
+        ],
         "recommended": rec,
         "reason": res.reason,
         "search_time_s": res.search_time_s,
         "configurations_planned": res.planned,
         "configurations_pruned": res.pruned,
+        "configurations_impossible": res.impossible,
+        "pricing": res.pricing,
+        "left_out": [{"offer": name, "reason": f"no {res.pricing} price"} for name in res.left_out],
+        "owned_choice": res.owned_choice,
     }
 
 
 def _gpus(p: Point) -> str:
-    return " + ".join(f"{n} x {t}" for t, n in p.gpus.items()) + (" (spot)" if p.spot else "")
+    owned = [f"{n} x {g} (owned)" for g, n in p.owned.items()]
+    kind = "" if p.pricing == "on-demand" else f" ({p.pricing})"
+    rented = [gpus_label(p.gpus) + kind] if p.gpus else []
+    return " + ".join(owned + rented)
 
 
-def front_table(res: ProvisionResult, title: str) -> Table:
-    """Returns the front as a table, the recommended point marked."""
+def _degrees(values: set[int]) -> str:
+    lo, hi = min(values), max(values)
+    return str(lo) if lo == hi else f"{lo}-{hi}"
+
+
+def plan_label(plan: Plan, cluster: Cluster | None) -> str:
+    """Returns a plan's shape as a person reads it: ``tp2 pp4 dp8`` for a symmetric plan;
+    for a mixed or asymmetric one, the pipelines and, per GPU type, its GPUs, tensor-parallel
+    degrees and stages; then the micro-batch, recomputation, ZeRO stage and idle GPUs."""
+    gpu_of = {} if cluster is None else {n.name: n.gpu.name for n in cluster.nodes}
+    per: dict[str, tuple[int, set[int], int]] = {}
+    for pipe in plan.pipelines:
+        for st in pipe.stages:
+            gpu = gpu_of.get(st.devices[0].rsplit(":", 1)[0], "?")
+            n, tps, stages = per.get(gpu, (0, set(), 0))
+            per[gpu] = (n + len(st.devices), tps | {st.tp}, stages + 1)
+    knobs = f"mb{plan.micro_batch_size} {plan.recompute} z{plan.zero_stage}"
+    if plan.virtual_stages > 1:
+        knobs += f" v{plan.virtual_stages}"
+    used = len(plan.devices())
+    if cluster is not None and cluster.num_gpus > used:
+        knobs += f", {cluster.num_gpus - used} GPUs idle"
+    first = plan.pipelines[0]
+    if len(per) == 1 and plan.is_uniform() and len({s.tp for s in first.stages}) == 1:
+        return f"tp{first.stages[0].tp} pp{len(first.stages)} dp{plan.dp} {knobs}"
+    depth = _degrees({len(p.stages) for p in plan.pipelines})
+    parts = [
+        f"{gpu}: {n} GPUs, tp{_degrees(tps)}, {stages} stage{'s' if stages > 1 else ''}"
+        for gpu, (n, tps, stages) in per.items()
+    ]
+    noun = "stage" if depth == "1" else "stages"
+    return f"{plan.dp} pipelines of {depth} {noun}; " + "; ".join(parts) + f"; {knobs}"
+
+
+def _missed(p: Point, c: Constraints | None) -> str:
+    """Returns which of the user's limits a point misses, or an empty string."""
+    if c is None:
+        return ""
+    out = []
+    if c.deadline_s is not None and p.time_to_train_s > c.deadline_s:
+        out.append("past deadline")
+    if c.budget_usd is not None and p.total_cost_usd > c.budget_usd:
+        out.append("over budget")
+    if c.max_usd_per_hour is not None and p.usd_per_hour > c.max_usd_per_hour:
+        out.append("over hourly cap")
+    return ", ".join(out)
+
+
+def front_table(res: ProvisionResult, title: str, constraints: Constraints | None = None) -> Table:
+    """Returns the front as a table, the recommended point marked with *, points that miss
+    a deadline, budget or hourly cap marked with what they miss."""
     table = Table(title=title, header_style="bold")
-    for col in ("", "GPUs", "days", "total $", "$/hour", "MFU", "plan"):
-        table.add_column(col, justify="left" if col in ("GPUs", "plan") else "right")
+    cols = ["", "GPUs", "days", "total $", "$/hour", "MFU", "plan"]
+    if constraints is not None and constraints != Constraints():
+        cols.append("misses")
+    for col in cols:
+        table.add_column(col, justify="left" if col in ("GPUs", "plan", "misses") else "right")
     for p in res.front:
         mark = "*" if p is res.recommended else ""
-        plan = ""
-        if p.plan is not None:
-            first = p.plan.pipelines[0]
-            plan = (
-                f"tp{first.stages[0].tp} pp{len(first.stages)} dp{p.plan.dp} "
-                f"mb{p.plan.micro_batch_size} {p.plan.recompute} z{p.plan.zero_stage}"
-            )
+        plan = "" if p.plan is None else plan_label(p.plan, p.cluster)
+        missed = [_missed(p, constraints)] if len(cols) == 8 else []
         table.add_row(
             mark,
             _gpus(p),
@@ -65,6 +131,7 @@ def front_table(res: ProvisionResult, title: str) -> Table:
             f"{p.usd_per_hour:,.2f}",
             "" if p.estimate is None else f"{p.estimate.mfu:.1%}",
             plan,
+            *missed,
         )
     return table
 
@@ -75,6 +142,8 @@ def write_pareto_plot(path: Path, res: ProvisionResult, constraints: Constraints
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
+    from hetplan.report import save_figure
 
     fig, ax = plt.subplots(figsize=(8, 5.5))
     ax.scatter(
@@ -118,8 +187,4 @@ def write_pareto_plot(path: Path, res: ProvisionResult, constraints: Constraints
     ax.set_ylabel("total cost (USD)")
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
-    fig.tight_layout()
-    tmp = path.with_name(path.stem + ".tmp.png")
-    fig.savefig(tmp, dpi=110)
-    plt.close(fig)
-    tmp.replace(path)
+    save_figure(fig, path)

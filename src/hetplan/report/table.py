@@ -6,7 +6,7 @@ from typing import Any
 
 from rich.table import Table
 
-from hetplan.cost.estimate import Estimate
+from hetplan.cost.estimate import ITERATION_TERMS, Estimate
 from hetplan.plan import Plan
 
 
@@ -97,7 +97,7 @@ def plans_table(ranked: list[tuple[Plan, Estimate]], title: str) -> Table:
             f"{est.tokens_per_s:,.0f}",
             f"{est.mfu:.1%}",
             f"{est.tflops_per_gpu:.0f}",
-            _gb(max(est.peak_memory_bytes.values())),
+            _gb(est.max_memory_bytes),
             "-" if est.cost_usd_per_hour is None else f"{est.cost_usd_per_hour:,.2f}",
             est.compute_source,
         )
@@ -107,12 +107,18 @@ def plans_table(ranked: list[tuple[Plan, Estimate]], title: str) -> Table:
 def breakdown_table(est: Estimate) -> Table:
     """Returns the iteration-time breakdown of the critical stage; the caption names it,
     where its compute times came from and the peak they are measured against."""
-    crit = max(est.stages, key=lambda s: s.end_s) if est.stages else None
+    crit = max(est.distinct_stages, key=lambda s: s.end_s) if est.distinct_stages else None
     lines = [f"critical: {est.bottleneck}"]
     if crit is not None:
         lines.append(f"compute: {crit.compute_source} (plan: {est.compute_source})")
         if crit.gpu in est.peak_used:
             lines.append(f"peak: {crit.gpu} {est.peak_used[crit.gpu]}")
+    money = est.cost_parts  # rental, amortisation, energy (cost/money.py)
+    if money is not None and money.total > 0:
+        per_m = money.scaled(1e6 / (est.tokens_per_s * 3600))
+        for unit, m in (("$/hour", money), ("$ per million tokens", per_m)):
+            lines.append(f"{unit}: {m.total:,.4g} = rental {m.rental:,.4g} + amortisation "
+                         f"{m.amortisation:,.4g} + energy {m.energy:,.4g}")  # fmt: skip
     table = Table(
         title="Iteration breakdown",
         caption="\n".join(lines),
@@ -123,16 +129,7 @@ def breakdown_table(est: Estimate) -> Table:
     table.add_column("term")
     table.add_column("seconds", justify="right")
     table.add_column("share", justify="right")
-    for key in (
-        "forward_s",
-        "backward_s",
-        "recompute_s",
-        "tensor_parallel_comm_s",
-        "pipeline_p2p_wait_s",
-        "pipeline_bubble_s",
-        "data_parallel_sync_s",
-        "optimizer_s",
-    ):
+    for key in ITERATION_TERMS:
         value = est.breakdown[key]
         table.add_row(
             key.removesuffix("_s").replace("_", " "),
@@ -143,13 +140,14 @@ def breakdown_table(est: Estimate) -> Table:
     return table
 
 
-def estimate_json(plan: Plan, est: Estimate) -> dict[str, Any]:
+def estimate_json(plan: Plan, est: Estimate, expand: bool = False) -> dict[str, Any]:
     """Returns the estimate's JSON object (with its per-stage compute sources, the peaks
-    used and the warnings) with the plan attached."""
-    out = est.to_json()
+    used and the warnings) with the plan attached, repeated pipelines compact; ``expand``:
+    the plan's every device and each device's peak memory."""
+    out = est.to_json(expand)
     out["warnings"] = list(est.warnings)
     out["peak_used"] = dict(est.peak_used)
     out["compute_source"] = est.compute_source
-    out["plan"] = plan.to_dict()
+    out["plan"] = plan.to_dict(compact=not expand)
     out["degrees"] = plan_summary(plan)
     return out

@@ -17,6 +17,8 @@ def write_timeline(path: Path, plan: Plan, est: Estimate) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from hetplan.report import save_figure
+
     rows: list[tuple[str, list[tuple[float, float, str]]]] = []
     by_key = {(s.pipeline, s.stage): s for s in est.stages}
     for r, pipe in enumerate(plan.pipelines):
@@ -47,8 +49,4 @@ def write_timeline(path: Path, plan: Plan, est: Estimate) -> None:
         f"one iteration: {est.iteration_time_s:.3f} s (blue forward, orange backward, "
         "red gradient sync, green optimizer)"
     )
-    fig.tight_layout()
-    tmp = path.with_name(path.stem + ".tmp.png")
-    fig.savefig(tmp, dpi=110)
-    plt.close(fig)
-    tmp.replace(path)
+    save_figure(fig, path)

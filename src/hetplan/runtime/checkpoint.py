@@ -34,6 +34,8 @@ class Manifest:
     files: dict[str, str]
     """File name -> SHA-256."""
     model: dict[str, Any]
+    global_batch: int | None = None
+    """The global batch the run trained with (None: written before it was recorded)."""
 
 
 def step_dir_name(step: int) -> str:
@@ -92,6 +94,7 @@ def read_manifest(ckpt: Path) -> Manifest:
             seed=int(data["seed"]),
             files=dict(data["files"]),
             model=dict(data["model"]),
+            global_batch=int(data["global_batch"]) if "global_batch" in data else None,
         )
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise InputError("--resume", f"{path / MANIFEST} is unreadable: {exc}") from None
@@ -120,6 +123,17 @@ def verify_checkpoint(ckpt: Path, model: ModelSpec) -> Manifest:
     return man
 
 
+def check_batch(man: Manifest, global_batch: int, allow_change: bool) -> None:
+    """Raises InputError if the plan's global batch differs from the checkpoint's."""
+    if allow_change or man.global_batch is None or man.global_batch == global_batch:
+        return
+    raise InputError(
+        "global_batch_size",
+        f"the plan has {global_batch}, checkpoint {man.path.name} was trained with "
+        f"{man.global_batch} (pass --allow-batch-change to resume anyway)",
+    )
+
+
 def staging_dir(root: Path, step: int) -> Path:
     """Returns the staging directory for the checkpoint at ``step``."""
     return root / f".staging-{step_dir_name(step)}"
@@ -136,12 +150,29 @@ def begin(root: Path, step: int) -> bool:
     return True
 
 
+def fsync_dir(path: Path) -> None:
+    """Makes a rename or creation inside directory ``path`` durable (POSIX)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def commit(
-    root: Path, step: int, data_position: int, seed: int, model: ModelSpec, files: dict[str, str]
+    root: Path,
+    step: int,
+    data_position: int,
+    seed: int,
+    model: ModelSpec,
+    files: dict[str, str],
+    global_batch: int | None = None,
+    keep: int = 0,
 ) -> Path:
-    """Writes the manifest, renames the staging directory into place, points 'latest' at it."""
+    """Writes the manifest, renames the staging directory into place (fsyncing the files'
+    directory and the root), points 'latest' at it, then keeps the ``keep`` newest steps."""
     stage = staging_dir(root, step)
-    manifest = {
+    manifest: dict[str, Any] = {
         "format": FORMAT,
         "step": step,
         "data_position": data_position,
@@ -149,8 +180,45 @@ def commit(
         "model": model_fields(model),
         "files": dict(sorted(files.items())),
     }
+    if global_batch is not None:
+        manifest["global_batch"] = global_batch
     write_atomic(stage / MANIFEST, (json.dumps(manifest, indent=2) + "\n").encode())
+    fsync_dir(stage)
     final = root / step_dir_name(step)
     os.rename(stage, final)
+    fsync_dir(root)
     write_atomic(root / LATEST, (final.name + "\n").encode())
+    fsync_dir(root)
+    if keep > 0:
+        prune(root, keep)
     return final
+
+
+def step_dirs(root: Path) -> list[tuple[int, Path]]:
+    """Returns the complete checkpoints under ``root`` as (step, directory), oldest first."""
+    out = []
+    for p in root.glob("step_*"):
+        if p.name[5:].isdigit() and (p / MANIFEST).is_file():
+            out.append((int(p.name[5:]), p))
+    return sorted(out)
+
+
+def prune(root: Path, keep: int) -> list[Path]:
+    """Removes all but the ``keep`` newest checkpoints (never the one 'latest' names)."""
+    latest = (root / LATEST).read_text().strip() if (root / LATEST).is_file() else None
+    removed = []
+    for _, path in step_dirs(root)[:-keep]:
+        if path.name != latest:
+            shutil.rmtree(path)
+            removed.append(path)
+    if removed:
+        fsync_dir(root)
+    return removed
+
+
+def clean_staging(root: Path) -> list[Path]:
+    """Removes staging directories a killed run left behind; returns them."""
+    stale = [p for p in root.glob(".staging-*") if p.is_dir()] if root.is_dir() else []
+    for p in stale:
+        shutil.rmtree(p)
+    return stale

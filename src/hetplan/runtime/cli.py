@@ -13,7 +13,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from hetplan.errors import InputError
+from hetplan.errors import InputError, shown
 from hetplan.runtime.config import RunConfig
 
 
@@ -21,14 +21,21 @@ def predicted_step_time_s(
     plan: Any, model: Any, cluster: Any, db: Path | None
 ) -> tuple[float, str]:
     """Returns the cost model's iteration time for the plan and which compute source it used."""
+    est = predicted(plan, model, cluster, db)
+    return est.iteration_time_s, est.compute_source
+
+
+def predicted(plan: Any, model: Any, cluster: Any, db: Path | None) -> Any:
+    """Returns ``estimate`` of the plan as this runtime runs it, with the profile in ``db``."""
     from hetplan.cost.estimate import estimate
     from hetplan.measured.profile_db import ProfileDB, default_db_path
 
     path = db or default_db_path()
     profile = ProfileDB(path) if path.exists() else None
-    # this runtime reduces gradients after the pipeline step, never under the backward
-    est = estimate(replace(plan, overlap_grad_reduce=False), model, cluster, profile=profile)
-    return est.iteration_time_s, est.compute_source
+    # this runtime reduces gradients after the pipeline step, never under the backward,
+    # and does not overlap TP collectives with matmuls
+    ran = replace(plan, overlap_grad_reduce=False, overlap_tp_comm=False)
+    return estimate(ran, model, cluster, profile=profile)
 
 
 def launch(
@@ -36,13 +43,27 @@ def launch(
     model: Annotated[str, typer.Option("--model", help="Catalog name or config.json.")],
     cluster: Annotated[str, typer.Option("--cluster", help="Cluster file or inline spec.")],
     steps: Annotated[int, typer.Option(help="Train until this step.")] = 10,
-    data: Annotated[Path | None, typer.Option(help="Text file, read as byte tokens.")] = None,
+    data: Annotated[
+        Path | None, typer.Option(help="Token file (.bin uint16, .u32) or text read as bytes.")
+    ] = None,
     checkpoint_dir: Annotated[Path | None, typer.Option(help="Checkpoint directory.")] = None,
     checkpoint_every: Annotated[int, typer.Option(help="Save every K steps (0: at end).")] = 0,
     resume: Annotated[bool, typer.Option(help="Resume from --checkpoint-dir.")] = False,
     seed: Annotated[int, typer.Option(help="Seed of initialisation and data.")] = 0,
-    lr: Annotated[float, typer.Option(help="AdamW learning rate.")] = 1e-3,
-    threads: Annotated[int, typer.Option(help="Threads per process (0: torch default).")] = 0,
+    lr: Annotated[float, typer.Option(help="AdamW peak learning rate.")] = 1e-3,
+    weight_decay: Annotated[float, typer.Option(help="AdamW weight decay.")] = 0.1,
+    grad_clip: Annotated[float, typer.Option(help="Clip the global gradient norm (0: off).")] = 1.0,
+    lr_warmup_steps: Annotated[int, typer.Option(help="Linear warm-up steps.")] = 0,
+    lr_decay_steps: Annotated[
+        int, typer.Option(help="Cosine decay until this step (0: constant after warm-up).")
+    ] = 0,
+    min_lr_ratio: Annotated[float, typer.Option(help="Final learning rate / peak.")] = 0.1,
+    dropout: Annotated[float, typer.Option(help="Hidden dropout probability.")] = 0.0,
+    keep: Annotated[int, typer.Option(help="Checkpoints to keep (0: all).")] = 0,
+    allow_batch_change: Annotated[
+        bool, typer.Option("--allow-batch-change", help="Resume with another global batch.")
+    ] = False,
+    threads: Annotated[int, typer.Option(help="Threads per process (0: torch default).")] = 1,
     device: Annotated[str, typer.Option(help="auto, cpu or cuda.")] = "auto",
     nnodes: Annotated[int | None, typer.Option(help="Nodes (default: as the plan uses).")] = None,
     node_rank: Annotated[int | None, typer.Option(help="Run this node's ranks.")] = None,
@@ -53,8 +74,34 @@ def launch(
     elastic: Annotated[bool, typer.Option(help="Replan and recover on preemption.")] = False,
     local_dir: Annotated[Path | None, typer.Option(help="Node-local checkpoint disks.")] = None,
     storage: Annotated[str | None, typer.Option(help="Shard store: directory or URL.")] = None,
+    init_from: Annotated[
+        Path | None,
+        typer.Option(help="Hugging Face model folder (config.json + safetensors) to start from."),
+    ] = None,
+    seq_len: Annotated[
+        int | None, typer.Option("--seq-len", help="Override the sequence length")
+    ] = None,
+    precision: Annotated[
+        str | None, typer.Option("--precision", help="Override the plan's fp32, tf32, bf16 or fp16")
+    ] = None,
+    recompute: Annotated[
+        str | None, typer.Option("--recompute", help="Override: none, selective or full")
+    ] = None,
+    zero_stage: Annotated[
+        int | None, typer.Option("--zero-stage", help="Override: 0, 1, 2 or 3")
+    ] = None,
+    sequence_parallel: Annotated[
+        bool | None,
+        typer.Option("--sequence-parallel/--no-sequence-parallel", help="Override the plan's"),
+    ] = None,
+    flash_attention: Annotated[
+        bool | None,
+        typer.Option("--flash-attention/--no-flash-attention", help="Override the plan's"),
+    ] = None,
 ) -> None:
-    """Train a real model under the plan with torchrun (one machine) or print per-node commands."""
+    """Train a real model under the plan with torchrun (one machine) or print per-node commands.
+
+    The plan options given explicitly override the plan file's fields, as in ``predict``."""
     from hetplan.runtime.launch import (
         format_command,
         local_command,
@@ -63,6 +110,18 @@ def launch(
         run_command,
     )
 
+    if seq_len is not None and seq_len <= 0:
+        raise InputError("--seq-len", "must be positive")
+    tmp_plan = tempfile.TemporaryDirectory(prefix="hetplan-plan-")
+    plan = _override_plan(
+        plan,
+        Path(tmp_plan.name),
+        precision=precision,
+        recompute=recompute,
+        zero_stage=zero_stage,
+        sequence_parallel=sequence_parallel,
+        flash_attention=flash_attention,
+    )
     cfg = RunConfig(
         plan=str(plan),
         model=model,
@@ -75,10 +134,20 @@ def launch(
         resume=resume,
         threads=threads,
         lr=lr,
+        weight_decay=weight_decay,
+        grad_clip=grad_clip,
+        lr_warmup_steps=lr_warmup_steps,
+        lr_decay_steps=lr_decay_steps,
+        min_lr_ratio=min_lr_ratio,
+        dropout=dropout,
+        keep=keep,
+        allow_batch_change=allow_batch_change,
+        seq_len=seq_len or 0,
         device=device,
         progress=not as_json,
         local_dir=str(local_dir) if local_dir else None,
         storage=storage,
+        init_from=str(init_from) if init_from else None,
     )
     if elastic:
         from hetplan.elastic.cli import storage_bandwidth_bytes_per_s
@@ -87,7 +156,10 @@ def launch(
         if not (local_dir and storage and checkpoint_every):
             raise InputError("--elastic", "needs --local-dir, --storage and --checkpoint-every")
         cfg = replace(cfg, progress=False)
-        rec = run_elastic(cfg, storage_bandwidth_bytes_per_s(cluster, None))
+        try:
+            rec = run_elastic(cfg, storage_bandwidth_bytes_per_s(cluster, None))
+        except RuntimeError as exc:
+            raise typer.Exit(_fail(str(exc))) from None
         typer.echo(
             json.dumps(rec)
             if as_json
@@ -96,7 +168,8 @@ def launch(
         return
     checked = preflight(cfg)
     console = Console(stderr=as_json)
-    predicted, source = predicted_step_time_s(checked.plan, checked.model, checked.cluster, db)
+    est = predicted(checked.plan, checked.model, checked.cluster, db)
+    pred_step, source = est.iteration_time_s, est.compute_source
     multi = len(checked.nodes) > 1
     if nnodes is not None and nnodes != len(checked.nodes):
         raise InputError("--nnodes", f"the plan uses {len(checked.nodes)} nodes, not {nnodes}")
@@ -119,8 +192,10 @@ def launch(
         try:
             record = run_command(cmd, cfg, timeout_s=None)
         except (RuntimeError, subprocess.SubprocessError) as exc:
-            raise typer.Exit(_fail(console, str(exc))) from None
-    record["predicted_step_time_s"] = predicted
+            raise typer.Exit(_fail(str(exc))) from None
+    record["predicted_step_time_s"] = pred_step
+    record["predicted_tokens_per_s"] = est.tokens_per_s
+    record["predicted_peak_memory_bytes"] = est.peak_memory_bytes
     record["compute_source"] = source
     if as_json:
         typer.echo(json.dumps(record))
@@ -128,14 +203,28 @@ def launch(
     measured = record.get("measured_step_time_s")
     if measured:
         console.print(
-            f"measured step {measured:.4f} s, predicted {predicted:.4f} s ({source} compute), "
+            f"measured step {measured:.4f} s, predicted {pred_step:.4f} s ({source} compute), "
             f"final loss {record['steps'][-1]['loss']:.4f}"
         )
 
 
-def _fail(console: Console, message: str) -> int:
-    console.print(message, highlight=False)
+def _fail(message: str) -> int:
+    """Prints why training failed, on one line (stderr), and returns the exit code."""
+    typer.echo(" ".join(message.split()), err=True)
     return 1
+
+
+def _override_plan(path: Path, tmp: Path, **fields: Any) -> Path:
+    """Returns ``path``, or a copy of the plan in ``tmp`` with the given fields replaced."""
+    from hetplan.plan import load_plan
+
+    knobs = {k: v for k, v in fields.items() if v is not None}
+    if not knobs:
+        return path
+    plan = replace(load_plan(path), **knobs)
+    out = tmp / path.name
+    plan.save(out)
+    return out
 
 
 def profile(
@@ -177,7 +266,7 @@ def profile(
     from hetplan.runtime.profile import profile_model
 
     if not (device == "cpu" or device.startswith("cuda")):
-        raise InputError("--device", f"{device!r}: use cpu or cuda:N")
+        raise InputError("--device", f"{shown(device)}: use cpu or cuda:N")
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise InputError("--device", "CUDA is not available on this machine")
     if threads > 0:
@@ -228,16 +317,43 @@ def _ints(text: str, field: str) -> list[int]:
     try:
         out = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise InputError(field, f"{text!r} is not a comma-separated list of integers") from None
+        raise InputError(
+            field, f"{shown(text)} is not a comma-separated list of integers"
+        ) from None
     if not out or any(x <= 0 for x in out):
         raise InputError(field, "needs positive integers")
     return out
 
 
+def data_convert(
+    text: Annotated[Path, typer.Argument(help="Text file (UTF-8).")],
+    out: Annotated[Path, typer.Option("--out", help="Token file: .bin (uint16), .u16 or .u32.")],
+    tokenizer: Annotated[
+        Path | None,
+        typer.Option(help="Hugging Face tokenizer.json or a folder holding one; default: bytes."),
+    ] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+) -> None:
+    """Convert text to a token file for ``launch --data`` (flat little-endian ids)."""
+    from hetplan.runtime.data_convert import convert_text
+
+    summary = convert_text(text, out, tokenizer)
+    if as_json:
+        typer.echo(json.dumps(summary))
+    else:
+        typer.echo(
+            f"wrote {summary['tokens']} {summary['dtype']} token ids "
+            f"(vocabulary {summary['vocab']}) to {summary['out']}"
+        )
+
+
 def register(app: typer.Typer) -> None:
-    """Adds the ``launch`` command and the ``profile`` group (measure this device, or
-    ``profile import`` / ``profile show`` measured data) to ``app``."""
+    """Adds the ``launch`` command, the ``profile`` group (measure this device, or
+    ``profile import`` / ``profile show`` measured data) and ``data convert`` to ``app``."""
     from hetplan.measured.cli import profile_group
 
     app.command("launch")(launch)
     app.add_typer(profile_group(profile), name="profile")
+    data = typer.Typer(help="Training data for launch.", no_args_is_help=True)
+    data.command("convert")(data_convert)
+    app.add_typer(data, name="data")

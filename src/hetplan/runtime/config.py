@@ -6,6 +6,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hetplan.errors import InputError
+from hetplan.model import ModelSpec, load_model
+from hetplan.runtime.optim_config import OptimConfig
 
 
 @dataclass
@@ -24,8 +26,22 @@ class RunConfig:
     """Save every K steps (0: only at the end) when checkpoint_dir is set."""
     resume: bool = False
     result: str | None = None
-    threads: int = 0
+    threads: int = 1
+    """Threads per process (0: torch's default, every core: slow when ranks share cores)."""
     lr: float = 1e-3
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    """Global gradient-norm clipping (0: off); the DeepSpeed export writes the same 1.0."""
+    lr_warmup_steps: int = 0
+    lr_decay_steps: int = 0
+    """Cosine decay of the learning rate until this step (0: constant after warm-up)."""
+    min_lr_ratio: float = 0.1
+    dropout: float = 0.0
+    keep: int = 0
+    """Checkpoints kept in checkpoint_dir (0: all)."""
+    allow_batch_change: bool = False
+    seq_len: int = 0
+    """Sequence length (0: the model's own)."""
     device: str = "auto"
     node: str | None = None
     """The node this process runs on (multi-node); None: rank i runs the plan's device i."""
@@ -35,12 +51,72 @@ class RunConfig:
     """Elastic runs: root of the node-local checkpoint disks (one directory per node)."""
     storage: str | None = None
     """Elastic runs: where checkpoint shards are uploaded (a directory or an fsspec URL)."""
+    init_from: str | None = None
+    """A local Hugging Face checkpoint (config.json + safetensors) to start from."""
+
+    def model_spec(self) -> ModelSpec:
+        """Returns the model of this run (with the --seq-len override)."""
+        return load_model(self.model, self.seq_len or None)
+
+    def optim(self) -> OptimConfig:
+        """Returns the optimizer settings of this run."""
+        return OptimConfig(
+            lr=self.lr,
+            weight_decay=self.weight_decay,
+            grad_clip=self.grad_clip,
+            warmup_steps=self.lr_warmup_steps,
+            decay_steps=self.lr_decay_steps,
+            min_lr_ratio=self.min_lr_ratio,
+        )
 
 
-def check_data_file(path: Path, vocab: int, seq: int) -> None:
-    """Raises InputError unless ``path`` can feed byte-level tokens to the model."""
+TOKEN_DTYPES = {"uint16": 2, "uint32": 4}
+
+
+def token_dtype(path: Path, vocab: int) -> str | None:
+    """Returns the dtype of a token file (``.bin``: uint16 ids as nanoGPT writes them, or
+    uint32 when the vocabulary exceeds 65536; ``.u16``/``.u32`` say it); None: text bytes."""
+    suffix = path.suffix.lower()
+    if suffix == ".u16":
+        return "uint16"
+    if suffix == ".u32":
+        return "uint32"
+    if suffix == ".bin":
+        return "uint16" if vocab <= 65536 else "uint32"
+    return None
+
+
+def check_data_file(path: Path, vocab: int, seq: int, global_batch: int = 1) -> None:
+    """Raises InputError unless ``path`` can feed the model: a token file (see
+    ``token_dtype``) whose ids are below the vocabulary and that holds one global batch of
+    sequences, or a text file read as byte tokens."""
     if not path.is_file():
         raise InputError("--data", f"no such file: {path}")
+    dtype = token_dtype(path, vocab)
+    if dtype is not None:
+        import numpy as np
+
+        size, item = path.stat().st_size, TOKEN_DTYPES[dtype]
+        if dtype == "uint16" and vocab > 65536:
+            raise InputError("--data", f"uint16 ids cannot hold a vocabulary of {vocab}")
+        if size % item:
+            raise InputError(
+                "--data", f"{path.name} is {size} bytes, not a whole number of {dtype} token ids"
+            )
+        need = global_batch * seq + 1
+        if size // item < need:
+            raise InputError(
+                "--data",
+                f"{path.name} holds {size // item} tokens, fewer than one global batch "
+                f"({global_batch} x {seq} + 1 = {need})",
+            )
+        ids = np.memmap(path, dtype=dtype, mode="r")
+        top = max(int(ids[i : i + (1 << 24)].max()) for i in range(0, len(ids), 1 << 24))
+        if top >= vocab:
+            raise InputError(
+                "--data", f"{path.name} holds token id {top}, beyond the vocabulary of {vocab}"
+            )
+        return
     if vocab < 256:
         raise InputError("--data", f"byte-level tokens need a vocabulary >= 256, model has {vocab}")
     if path.stat().st_size < seq + 1:

@@ -1,4 +1,6 @@
-"""Training data: synthetic tokens or a text file as bytes, addressed by sequence index.
+"""Training data: synthetic tokens, a token file (a flat NumPy memmap of ids, uint16 as
+nanoGPT's ``train.bin``, uint32 for vocabularies over 65536) or a text file as bytes,
+addressed by sequence index.
 
 Sequence ``i`` of the stream is a fixed function of (seed, i), so a replica that takes
 rows [offset, offset + share) of a global batch reads exactly its share, and a run
@@ -12,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from hetplan.runtime.config import check_data_file
+from hetplan.runtime.config import check_data_file, token_dtype
 
 
 class TokenSource:
@@ -23,7 +25,8 @@ class TokenSource:
         self._bytes: np.memmap | None = None
         if path is not None:
             check_data_file(path, vocab, seq)
-            self._bytes = np.memmap(path, dtype=np.uint8, mode="r")
+            dtype = token_dtype(path, vocab) or "uint8"
+            self._bytes = np.memmap(path, dtype=dtype, mode="r")
 
     def sequence(self, index: int) -> torch.Tensor:
         """Returns sequence ``index`` as int64 tokens of length seq + 1."""

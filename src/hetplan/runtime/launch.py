@@ -14,11 +14,12 @@ from typing import Any
 
 from hetplan.cluster import Cluster, load_cluster
 from hetplan.errors import InputError
-from hetplan.model import ModelSpec, load_model
+from hetplan.model import ModelSpec
 from hetplan.plan import Plan, load_plan
 from hetplan.runtime import checkpoint as ckpt
 from hetplan.runtime.config import RunConfig, check_data_file
-from hetplan.runtime.layout import check_runtime_plan, device_order
+from hetplan.runtime.layout import build_layout, check_runtime_plan, device_order
+from hetplan.runtime.support import check_plan_support, check_run_options, resolve_device
 
 WORKER = "hetplan.runtime.worker"
 
@@ -38,21 +39,30 @@ class Checked:
 
 def preflight(cfg: RunConfig) -> Checked:
     """Returns the checked inputs of ``cfg``; raises InputError on any mismatch."""
-    model = load_model(cfg.model)
+    model = cfg.model_spec()
     cluster = load_cluster(cfg.cluster)
     plan = load_plan(Path(cfg.plan))
     check_runtime_plan(plan, model, cluster)
+    device = resolve_device(cfg.device)
+    check_plan_support(plan, model, build_layout(plan, model, cluster), device)
+    check_run_options(cfg.dropout, cfg.grad_clip, cfg.weight_decay, cfg.keep)
     if cfg.steps <= 0:
         raise InputError("--steps", "must be positive")
     if cfg.data is not None:
-        check_data_file(Path(cfg.data), model.vocab, model.seq)
+        check_data_file(Path(cfg.data), model.vocab, model.seq, plan.global_batch_size)
+    if cfg.init_from is not None:
+        from hetplan.runtime.hf_weights import check_init_from
+
+        check_init_from(Path(cfg.init_from), model)
     resume_step = None
     if cfg.resume and cfg.local_dir:
         pass  # elastic: each worker verifies the shards its node holds after recovery
     elif cfg.resume:
         if not cfg.checkpoint_dir:
             raise InputError("--resume", "needs --checkpoint-dir")
-        resume_step = ckpt.verify_checkpoint(Path(cfg.checkpoint_dir), model).step
+        man = ckpt.verify_checkpoint(Path(cfg.checkpoint_dir), model)
+        ckpt.check_batch(man, plan.global_batch_size, cfg.allow_batch_change)
+        resume_step = man.step
     elif (
         cfg.checkpoint_dir
         and Path(cfg.checkpoint_dir).exists()
@@ -140,12 +150,37 @@ def run_command(cmd: list[str], cfg: RunConfig, timeout_s: float | None) -> dict
         check=False,
     )
     if proc.returncode != 0:
-        tail = "\n".join((proc.stderr or "").splitlines()[-30:])
-        raise RuntimeError(f"training failed (exit {proc.returncode}):\n{tail}")
+        raise RuntimeError(failure_cause(proc.returncode, proc.stderr or ""))
     if cfg.result is None:
         return {}
     record: dict[str, Any] = json.loads(Path(cfg.result).read_text())
     return record
+
+
+def failure_cause(code: int, stderr: str) -> str:
+    """Returns one line saying why a torchrun run failed: the first rank that failed, how
+    it ended (exit code or signal) and the last error a worker printed."""
+    import re
+    import signal
+
+    ranks = re.findall(r"rank\s*:\s*(\d+)", stderr)
+    codes = re.findall(r"exitcode\s*:\s*(-?\d+)", stderr)
+    how = f"torchrun exited with {code}"
+    if ranks and codes:
+        ec = int(codes[-1])
+        ended = f"killed by {signal.Signals(-ec).name}" if ec < 0 else f"exited with {ec}"
+        how = f"rank {ranks[-1]} {ended}"
+    found = [
+        ln
+        for ln in stderr.splitlines()
+        if re.search(r"(Error|Exception)\b.*:", ln)
+        and "Traceback" not in ln
+        and "ChildFailedError" not in ln
+    ]
+    # a worker's own error ("[rank1]: ValueError: ...") before the launcher's
+    mine = [ln for ln in found if ln.startswith("[rank")] or found
+    errors = [ln.split("]:", 1)[-1].strip() if ln.startswith("[rank") else ln for ln in mine]
+    return f"training failed: {how}" + (f": {errors[-1]}" if errors else "")
 
 
 def run_local(cfg: RunConfig, timeout_s: float | None = 600.0) -> dict[str, Any]:

@@ -128,7 +128,8 @@ def check_runtime_plan(plan: Plan, model: ModelSpec, cluster: Cluster) -> None:
         if len(tps) > 1:
             raise InputError(
                 f"pipelines[{i}].stages",
-                f"the runtime needs one tensor-parallel degree per pipeline, got {sorted(tps)}",
+                "the runtime needs one tensor-parallel degree per pipeline, got "
+                + ", ".join(map(str, sorted(tps))),
             )
         tp = pipe.stages[0].tp
         if model.kv_heads % tp:
@@ -138,6 +139,14 @@ def check_runtime_plan(plan: Plan, model: ModelSpec, cluster: Cluster) -> None:
             )
         if any(s.layers == 0 for s in pipe.stages) and len(pipe.stages) > 1:
             raise InputError(f"pipelines[{i}].stages", "the runtime needs >= 1 layer per stage")
+        v = plan.virtual_stages if plan.schedule == "Interleaved1F1B" else 1
+        for j, s in enumerate(pipe.stages):
+            if v > 1 and 0 in s.chunk_layers(v):
+                raise InputError(
+                    f"pipelines[{i}].stages[{j}].chunks",
+                    "the runtime needs >= 1 layer per chunk, got "
+                    + ", ".join(map(str, s.chunk_layers(v))),
+                )
         if plan.schedule == "Interleaved1F1B":
             m = plan.num_micro_batches(pipe)
             if m < len(pipe.stages):
@@ -159,12 +168,14 @@ def build_layout(
     offset = 0
     for r, pipe in enumerate(plan.pipelines):
         p = len(pipe.stages)
-        # virtual stage (chunk c of stage j) = c * p + j; layers follow virtual-stage order
+        # virtual stage (chunk c of stage j) = c * p + j; layers follow virtual-stage order,
+        # each chunk with its own layer count (even unless the stage lists its chunks)
         chunks: dict[int, list[Chunk]] = {j: [] for j in range(p)}
         start = 0
+        sizes = [stage.chunk_layers(v) for stage in pipe.stages]
         for c in range(v):
-            for j, stage in enumerate(pipe.stages):
-                n = stage.layers // v
+            for j in range(p):
+                n = sizes[j][c]
                 s = c * p + j
                 last = s == p * v - 1
                 chunks[j].append(Chunk(s, start, start + n, s == 0, last, model.tie_embeddings))

@@ -7,18 +7,65 @@ rank's tensor-parallel shard: any plan starts from the same weights.
 
 from __future__ import annotations
 
+import math
 import zlib
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 from torch.nn import functional as F
+from torch.utils.checkpoint import checkpoint
 
 from hetplan.model import ModelSpec
 from hetplan.runtime.layout import EMBED, HEAD, Chunk, layer_unit
-from hetplan.runtime.tp import ColumnParallelLinear, RowParallelLinear
+from hetplan.runtime.precision import autocast
+from hetplan.runtime.tp import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    gather_for_tp,
+    gather_from_seq,
+    scatter_to_seq,
+)
 
 INIT_STD = 0.02
+
+
+@dataclass(frozen=True)
+class Features:
+    """How the plan asks the model to run (plan fields, plus the run's dropout)."""
+
+    precision: str = "fp32"
+    recompute: str = "none"
+    """none; selective: the attention core (QK^T, softmax, xV) is recomputed in the backward
+    (Korthikanti et al. 2022); full: each layer is recomputed from its input."""
+    flash_attention: bool = True
+    """True: fused scaled_dot_product_attention (flash kernels, no math fallback); False:
+    the attention matrix is materialised (softmax(QK^T / sqrt(d)) V)."""
+    sequence_parallel: bool = False
+    dropout: float = 0.0
+    """Hidden dropout: after the embedding, the attention output and the MLP output."""
+    norm_eps: float = 1e-5
+    """Epsilon of every LayerNorm / RMSNorm (a Hugging Face config's layer_norm_epsilon or
+    rms_norm_eps under ``--init-from``)."""
+    rope_theta: float = 10000.0
+    """Base of the rotary frequencies (Llama), theta^(-2i/d)."""
+
+
+def _attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, flash: bool) -> torch.Tensor:
+    if flash:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        fused = [SDPBackend.FLASH_ATTENTION]
+        if q.device.type == "cuda":
+            fused += [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION]
+        with sdpa_kernel(fused):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    s = q.shape[-2]
+    scores = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])
+    mask = torch.ones(s, s, dtype=torch.bool, device=q.device).triu(1)
+    probs = scores.masked_fill(mask, float("-inf")).softmax(dim=-1)
+    return probs @ v
 
 
 class RMSNorm(nn.Module):
@@ -34,8 +81,8 @@ class RMSNorm(nn.Module):
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
 
 
-def _norm(spec: ModelSpec) -> nn.Module:
-    return nn.LayerNorm(spec.hidden) if spec.family == "gpt" else RMSNorm(spec.hidden)
+def _norm(spec: ModelSpec, eps: float) -> nn.Module:
+    return nn.LayerNorm(spec.hidden, eps=eps) if spec.family == "gpt" else RMSNorm(spec.hidden, eps)
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -46,17 +93,19 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
 class Attention(nn.Module):
     """Causal self-attention with grouped KV heads; heads split over the TP group."""
 
-    def __init__(self, spec: ModelSpec, tp: int, group: Any) -> None:
+    def __init__(self, spec: ModelSpec, tp: int, group: Any, feat: Features | None = None) -> None:
         super().__init__()
+        feat = feat or Features()
         bias = spec.family == "gpt"
-        self.spec, self.tp = spec, tp
+        self.spec, self.tp, self.group, self.feat = spec, tp, group, feat
+        sp = feat.sequence_parallel
         self.q = ColumnParallelLinear(spec.hidden, spec.hidden, bias, tp, group)
         self.k = ColumnParallelLinear(spec.hidden, spec.kv_dim, bias, tp, group)
         self.v = ColumnParallelLinear(spec.hidden, spec.kv_dim, bias, tp, group)
-        self.o = RowParallelLinear(spec.hidden, spec.hidden, bias, tp, group)
+        self.o = RowParallelLinear(spec.hidden, spec.hidden, bias, tp, group, sp)
         if spec.family == "llama":
             d = spec.head_dim
-            inv = 1.0 / (10000.0 ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+            inv = 1.0 / (feat.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
             ang = torch.outer(torch.arange(spec.seq, dtype=torch.float64), inv)
             ang = torch.cat((ang, ang), dim=-1)
             self.register_buffer("cos", ang.cos().float(), persistent=False)
@@ -64,11 +113,12 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Returns the attention output (full hidden width, summed over the group)."""
+        x = gather_for_tp(x, self.group, self.feat.sequence_parallel)
         b, s, _ = x.shape
         hd = self.spec.head_dim
-        q = self.q(x).view(b, s, -1, hd).transpose(1, 2)
-        k = self.k(x).view(b, s, -1, hd).transpose(1, 2)
-        v = self.v(x).view(b, s, -1, hd).transpose(1, 2)
+        q = self.q(x, gathered=True).view(b, s, -1, hd).transpose(1, 2)
+        k = self.k(x, gathered=True).view(b, s, -1, hd).transpose(1, 2)
+        v = self.v(x, gathered=True).view(b, s, -1, hd).transpose(1, 2)
         if self.spec.family == "llama":
             cos, sin = self.get_buffer("cos")[:s], self.get_buffer("sin")[:s]
             q, k = _rope(q, cos, sin), _rope(k, cos, sin)
@@ -76,7 +126,11 @@ class Attention(nn.Module):
         if rep > 1:
             k = k.repeat_interleave(rep, dim=1)
             v = v.repeat_interleave(rep, dim=1)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        flash = self.feat.flash_attention
+        if self.feat.recompute == "selective" and torch.is_grad_enabled():
+            y = checkpoint(_attention_core, q, k, v, flash, use_reentrant=False)
+        else:
+            y = _attention_core(q, k, v, flash)
         out: torch.Tensor = self.o(y.transpose(1, 2).reshape(b, s, -1))
         return out
 
@@ -84,21 +138,23 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """GeLU MLP (GPT) or SwiGLU (Llama), inner width split over the TP group."""
 
-    def __init__(self, spec: ModelSpec, tp: int, group: Any) -> None:
+    def __init__(self, spec: ModelSpec, tp: int, group: Any, feat: Features | None = None) -> None:
         super().__init__()
+        feat = feat or Features()
         bias = spec.family == "gpt"
-        self.gated = spec.gated
+        self.gated, self.group, self.sp = spec.gated, group, feat.sequence_parallel
         self.up = ColumnParallelLinear(spec.hidden, spec.ffn, bias, tp, group)
         if self.gated:
             self.gate = ColumnParallelLinear(spec.hidden, spec.ffn, bias, tp, group)
-        self.down = RowParallelLinear(spec.ffn, spec.hidden, bias, tp, group)
+        self.down = RowParallelLinear(spec.ffn, spec.hidden, bias, tp, group, self.sp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Returns the MLP output."""
+        x = gather_for_tp(x, self.group, self.sp)
         if self.gated:
-            h = F.silu(self.gate(x)) * self.up(x)
+            h = F.silu(self.gate(x, gathered=True)) * self.up(x, gathered=True)
         else:
-            h = F.gelu(self.up(x), approximate="tanh")
+            h = F.gelu(self.up(x, gathered=True), approximate="tanh")
         out: torch.Tensor = self.down(h)
         return out
 
@@ -106,15 +162,17 @@ class MLP(nn.Module):
 class Block(nn.Module):
     """One pre-norm transformer layer."""
 
-    def __init__(self, spec: ModelSpec, tp: int, group: Any) -> None:
+    def __init__(self, spec: ModelSpec, tp: int, group: Any, feat: Features | None = None) -> None:
         super().__init__()
-        self.norm1, self.attn = _norm(spec), Attention(spec, tp, group)
-        self.norm2, self.mlp = _norm(spec), MLP(spec, tp, group)
+        feat = feat or Features()
+        self.norm1, self.attn = _norm(spec, feat.norm_eps), Attention(spec, tp, group, feat)
+        self.norm2, self.mlp = _norm(spec, feat.norm_eps), MLP(spec, tp, group, feat)
+        self.drop = nn.Dropout(feat.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Returns the layer's output."""
-        x = x + self.attn(self.norm1(x))
-        return x + self.mlp(self.norm2(x))
+        x = x + self.drop(self.attn(self.norm1(x)))
+        return x + self.drop(self.mlp(self.norm2(x)))
 
 
 class Embed(nn.Module):
@@ -136,9 +194,9 @@ class Embed(nn.Module):
 class Head(nn.Module):
     """Final norm and output projection to the vocabulary."""
 
-    def __init__(self, spec: ModelSpec) -> None:
+    def __init__(self, spec: ModelSpec, eps: float = 1e-5) -> None:
         super().__init__()
-        self.norm = _norm(spec)
+        self.norm = _norm(spec, eps)
         self.out = nn.Linear(spec.hidden, spec.vocab, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -151,33 +209,49 @@ class StageModel(nn.Module):
     """The part of the model one chunk holds: embedding?, layers [start, end), head?"""
 
     def __init__(
-        self, spec: ModelSpec, chunk: Chunk, tp: int = 1, tp_index: int = 0, group: Any = None
+        self,
+        spec: ModelSpec,
+        chunk: Chunk,
+        tp: int = 1,
+        tp_index: int = 0,
+        group: Any = None,
+        feat: Features | None = None,
     ) -> None:
         super().__init__()
-        self.chunk = chunk
+        self.chunk, self.group = chunk, group
+        self.feat = feat = feat or Features()
         self.embed = Embed(spec) if chunk.embed else None
+        self.drop = nn.Dropout(feat.dropout)
         self.layers = nn.ModuleDict(
-            {str(i): Block(spec, tp, group) for i in range(chunk.start, chunk.end)}
+            {str(i): Block(spec, tp, group, feat) for i in range(chunk.start, chunk.end)}
         )
-        self.head = Head(spec) if chunk.head else None
+        self.head = Head(spec, feat.norm_eps) if chunk.head else None
         self.tied = spec.tie_embeddings
         if self.head is not None and self.embed is not None and self.tied:
             self.head.out.weight = self.embed.tok.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Returns this chunk's output: activations, or logits for the last chunk."""
-        if self.embed is not None:
-            x = self.embed(x)
-        for layer in self.layers.values():
-            x = layer(x)
-        if self.head is not None:
-            x = self.head(x)
+        with autocast(self.feat.precision, x.device):
+            if self.embed is not None:
+                x = self.drop(self.embed(x))
+            seq_par = self.feat.sequence_parallel and self.group is not None
+            seq_par = seq_par and len(self.layers) > 0
+            if seq_par:
+                x = scatter_to_seq(x, self.group)
+            full = self.feat.recompute == "full" and torch.is_grad_enabled()
+            for layer in self.layers.values():
+                x = checkpoint(layer, x, use_reentrant=False) if full else layer(x)
+            if seq_par:
+                x = gather_from_seq(x, self.group)
+            if self.head is not None:
+                x = self.head(x)
         return x
 
 
-def full_model(spec: ModelSpec, seed: int) -> StageModel:
+def full_model(spec: ModelSpec, seed: int, feat: Features | None = None) -> StageModel:
     """Returns the whole model on one device, initialised from ``seed``."""
-    model = StageModel(spec, Chunk(0, 0, spec.layers, True, True))
+    model = StageModel(spec, Chunk(0, 0, spec.layers, True, True), feat=feat)
     init_params(model, seed, tp=1, tp_index=0)
     return model
 

@@ -15,17 +15,45 @@ from torch.distributed.pipelining import (
 )
 from torch.nn import functional as F
 
-from hetplan.runtime.layout import RankPlace
+from hetplan.model import ModelSpec
+from hetplan.runtime.layout import Chunk, RankPlace
+from hetplan.runtime.precision import LossScaler
 
 
-def make_loss_fn(micro_batch: int, global_batch: int) -> Callable[..., torch.Tensor]:
-    """Returns the micro-batch loss, pre-scaled by its share of the global batch."""
+def make_loss_fn(
+    micro_batch: int, global_batch: int, scaler: LossScaler | None = None
+) -> Callable[..., torch.Tensor]:
+    """Returns the micro-batch loss from fp32 logits, pre-scaled by its share of the global
+    batch and by the fp16 loss scale (read at each call: it changes between steps)."""
     weight = micro_batch / global_batch
 
     def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(logits.flatten(0, 1), target.flatten()) * weight
+        scale = scaler.scale if scaler is not None else 1.0
+        loss = F.cross_entropy(logits.float().flatten(0, 1), target.flatten())
+        return loss * (weight * scale)
 
     return loss_fn
+
+
+def _examples(
+    chunk: Chunk, spec: ModelSpec, micro_batch: int, precision: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns meta tensors shaped as a chunk's input and output for one micro-batch: token
+    ids or fp32 activations in; fp32 activations or logits out (in the autocast dtype, as
+    the head's linear layer gives them under bf16 or fp16)."""
+    meta = torch.device("meta")
+    b, s = micro_batch, spec.seq
+    if chunk.stage_index == 0:
+        x = torch.empty(b, s, dtype=torch.int64, device=meta)
+    else:
+        x = torch.empty(b, s, spec.hidden, device=meta, requires_grad=True)
+    if chunk.head:
+        low = {"bf16": torch.bfloat16, "fp16": torch.float16}
+        dtype = low.get(precision, torch.float32)
+        y = torch.empty(b, s, spec.vocab, dtype=dtype, device=meta, requires_grad=True)
+    else:
+        y = torch.empty(b, s, spec.hidden, device=meta, requires_grad=True)
+    return x, y
 
 
 def build_schedule(
@@ -35,12 +63,29 @@ def build_schedule(
     device: torch.device,
     pp_group: Any,
     loss_fn: Callable[..., torch.Tensor],
+    spec: ModelSpec,
+    precision: str,
 ) -> Any:
-    """Returns the schedule object that runs this rank's chunks of its replica's pipeline."""
-    stages: list[Any] = [
-        PipelineStage(m, c.stage_index, place.num_virtual_stages, device, group=pp_group)
-        for m, c in zip(modules, place.chunks, strict=True)
-    ]
+    """Returns the schedule object that runs this rank's chunks of its replica's pipeline.
+
+    Each stage is given its input and output shapes (meta tensors): without them torch's
+    pipelining infers them at the first step by running a real forward and backward whose
+    graph, one micro-batch of activations, it then keeps for the whole run."""
+    mb = place.batch_size // place.micro_batches
+    stages: list[Any] = []
+    for m, c in zip(modules, place.chunks, strict=True):
+        x, y = _examples(c, spec, mb, precision)
+        stages.append(
+            PipelineStage(
+                m,
+                c.stage_index,
+                place.num_virtual_stages,
+                device,
+                input_args=x,
+                output_args=y,
+                group=pp_group,
+            )
+        )
     n = place.micro_batches
     if schedule == "Interleaved1F1B":
         return ScheduleInterleaved1F1B(stages, n, loss_fn=loss_fn, scale_grads=False)

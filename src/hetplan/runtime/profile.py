@@ -17,6 +17,7 @@ from hetplan.cost.compute import LayerTimes
 from hetplan.measured.profile_db import LayerRecord, ProfileDB, shape_key
 from hetplan.model import ModelSpec
 from hetplan.runtime.model_torch import Block, Embed, Head
+from hetplan.runtime.optim_config import OptimConfig
 from hetplan.runtime.state import make_optimizer
 
 
@@ -161,7 +162,7 @@ def profile_optimizer(
         params = list(module.to(device).parameters())
         for p in params:
             p.grad = torch.randn_like(p) * 1e-3
-        opt = make_optimizer(params, 1e-3)
+        opt = make_optimizer(params, OptimConfig(lr=1e-3))
         step_s = _median_s(opt.step, device, reps) / n
         out[part] = (step_s, sum(p.numel() for p in params) // n)
     return out

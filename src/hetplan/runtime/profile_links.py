@@ -14,9 +14,11 @@ import torch
 from hetplan.cost.compute import LayerTimes
 from hetplan.measured.profile_db import ProfileDB
 from hetplan.model import ModelSpec
-from hetplan.runtime.model_torch import Block
+from hetplan.runtime.model_torch import Block, Features
 from hetplan.runtime.profile import _ALIGN, _init, measure_compute
 
+ZERO3_PART = "zero3_comm_dp"
+"""Part name of one layer's measured ZeRO-3 cost, followed by the group size."""
 P2P_SIZES = (4 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20)
 ALLREDUCE_SIZES = (4 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20)
 
@@ -120,19 +122,28 @@ def _pipeline_overhead(model: ModelSpec, mb: int, rank: int, world: int, reps: i
     return max(((p6 - d6) - (p2 - d2)) / (counts[1] - counts[0]), 0.0) / 2
 
 
-def _tp_comm(model: ModelSpec, tp: int, mb: int, group: object, reps: int) -> LayerTimes:
+def _tp_comm(
+    model: ModelSpec, tp: int, mb: int, group: object, reps: int, sequence_parallel: bool = False
+) -> LayerTimes:
     """Returns one layer's TP collectives (forward, backward): the layer with its group minus
-    the same shard without it, timed while every rank computes."""
+    the same shard without it, timed while every rank computes. With
+    ``sequence_parallel`` the layer runs as the runtime's SP layers do (its 1/tp of the
+    sequence in, all-gathers before the column-parallel linears, reduce-scatters after
+    the row-parallel ones); the shard without a group runs the whole sequence."""
     torch.manual_seed(0)
     x = torch.randn(mb, model.seq, model.hidden, requires_grad=True)
     grad = torch.randn_like(x)
-    joined = _init(Block(model, tp, group))
+    joined = _init(Block(model, tp, group, Features(sequence_parallel=sequence_parallel)))
     alone = Block(model, tp, None)
     alone.load_state_dict(joined.state_dict())
+    xj = x
+    if sequence_parallel:
+        xj = torch.randn(mb, model.seq // tp, model.hidden, requires_grad=True)
     fns: list[Callable[[], object]] = []
-    for block in (joined, alone):
-        fns.append(partial(block, x))
-        fns.append(partial(_forward_backward, block, x, grad))
+    for block, xb in ((joined, xj), (alone, x)):
+        gb = grad if xb is x else torch.randn_like(xb)
+        fns.append(partial(block, xb))
+        fns.append(partial(_forward_backward, block, xb, gb))
     fj, bj, fa, ba = _timed_all(fns, reps)
     total = max(bj - ba, 0.0)  # forward and backward: the robust difference
     forward = min(max(fj - fa, 0.0), total)
@@ -141,6 +152,36 @@ def _tp_comm(model: ModelSpec, tp: int, mb: int, group: object, reps: int) -> La
 
 def _forward_backward(module: torch.nn.Module, x: torch.Tensor, grad: torch.Tensor) -> None:
     torch.autograd.backward(module(x), grad)
+
+
+def _zero3_comm(model: ModelSpec, mb: int, group: Any, reps: int) -> LayerTimes:
+    """Returns one layer's ZeRO-3 cost (forward, backward) as the runtime runs it over
+    ``group``: the layer ``fully_shard``ed (FSDP2: all-gather before forward and backward,
+    gradients reduce-scattered, the runtime's gloo reduce-scatter) minus the same layer
+    unsharded, timed while every rank computes. What runs under compute and what waits is
+    measured, not assumed."""
+    from hetplan.runtime.fsdp import shard_block
+
+    torch.manual_seed(0)
+    x = torch.randn(mb, model.seq, model.hidden, requires_grad=True)
+    grad = torch.randn_like(x)
+    alone = _init(Block(model, 1, None))
+    sharded = Block(model, 1, None)
+    sharded.load_state_dict(alone.state_dict())
+    shard_block(sharded, group, torch.device("cpu"))
+    fns: list[Callable[[], object]] = []
+    for block in (sharded, alone):
+        fns.append(partial(_no_grad_forward, block, x))
+        fns.append(partial(_forward_backward, block, x, grad))
+    fs, bs, fa, ba = _timed_all(fns, reps)
+    total = max(bs - ba, 0.0)
+    forward = min(max(fs - fa, 0.0), total)
+    return LayerTimes(forward, total - forward, 0.0)
+
+
+def _no_grad_forward(module: torch.nn.Module, x: torch.Tensor) -> None:
+    """A forward as in a training step (recording autograd), its graph dropped."""
+    module(x)
 
 
 def _links_worker(rank: int, world: int, init: str, job: dict, out: str) -> None:
@@ -162,7 +203,8 @@ def _links_worker(rank: int, world: int, init: str, job: dict, out: str) -> None
         p2p = [_p2p(rank, s, reps) for s in P2P_SIZES]
         ar = [_timed(partial(_grad_allreduce, _pieces(s)), reps) for s in ALLREDUCE_SIZES]
         pipe = _pipeline_overhead(model, min(job["micro_batches"]), rank, world, reps)
-        comm = {}
+        comm: dict[str, list[float]] = {}
+        comm_sp: dict[str, list[float]] = {}
         for tp in job["tps"]:
             if tp > 1:
                 group = dist.new_group(list(range(tp)))
@@ -170,9 +212,18 @@ def _links_worker(rank: int, world: int, init: str, job: dict, out: str) -> None
                     if rank < tp:
                         t = _tp_comm(model, tp, mb, group, reps)
                         comm[f"{tp},{mb}"] = [t.forward_s, t.backward_s]
+                        if model.seq % tp == 0:
+                            t = _tp_comm(model, tp, mb, group, reps, sequence_parallel=True)
+                            comm_sp[f"{tp},{mb}"] = [t.forward_s, t.backward_s]
                     dist.barrier()
+        whole = dist.new_group(list(range(world)))
+        zero3 = {}
+        for mb in job["micro_batches"]:
+            t = _zero3_comm(model, mb, whole, reps)
+            zero3[str(mb)] = [t.forward_s, t.backward_s]
         if rank == 0:
             res = {"p2p": p2p, "allreduce": ar, "pipeline": pipe, "tp_comm": comm, **compute}
+            res.update({"tp_comm_sp": comm_sp, "zero3": zero3})
             Path(out).write_text(json.dumps(res))
     except BaseException:
         dist.destroy_process_group()
@@ -214,8 +265,12 @@ def profile_links(
     figures = {"p2p": p2p, "allreduce": ring, "pipeline": (float(res["pipeline"]), 0.0)}
     for kind, (latency, bps) in figures.items():
         db.put_link(device_name, kind, latency, bps)
-    for key, (fwd, bwd) in res["tp_comm"].items():
-        tp, mb = (int(x) for x in key.split(","))
-        db.put_part(device_name, model, "tp_comm", tp, mb, "fp32", LayerTimes(fwd, bwd, 0.0))
+    for part in ("tp_comm", "tp_comm_sp"):
+        for key, (fwd, bwd) in res[part].items():
+            tp, mb = (int(x) for x in key.split(","))
+            db.put_part(device_name, model, part, tp, mb, "fp32", LayerTimes(fwd, bwd, 0.0))
+    for key, (fwd, bwd) in res["zero3"].items():  # one layer over a group of ``world``
+        part = f"{ZERO3_PART}{world}"
+        db.put_part(device_name, model, part, 1, int(key), "fp32", LayerTimes(fwd, bwd, 0.0))
     res["links"] = figures
     return res

@@ -11,6 +11,7 @@ from hetplan.model import ModelSpec
 from hetplan.runtime.checkpoint import read_manifest
 from hetplan.runtime.data import TokenSource
 from hetplan.runtime.model_torch import full_model
+from hetplan.runtime.optim_config import OptimConfig, lr_at
 from hetplan.runtime.state import load_unit, make_optimizer
 
 
@@ -19,12 +20,14 @@ def reference_train(
     global_batch: int,
     steps: int,
     seed: int,
-    lr: float = 1e-3,
+    optim: OptimConfig | None = None,
     data: Path | None = None,
 ) -> tuple[dict[str, torch.Tensor], list[float]]:
-    """Returns the parameters and losses after ``steps`` full-batch steps on one device."""
+    """Returns the parameters and losses after ``steps`` full-batch fp32 steps on one device
+    (gradient clipping by ``torch.nn.utils.clip_grad_norm_``)."""
+    optim = optim or OptimConfig()
     net = full_model(model, seed)
-    opt = make_optimizer(list(net.parameters()), lr)
+    opt = make_optimizer(list(net.parameters()), optim)
     source = TokenSource(model.vocab, model.seq, seed, data)
     losses = []
     for step in range(steps):
@@ -32,6 +35,10 @@ def reference_train(
         opt.zero_grad(set_to_none=True)
         loss = F.cross_entropy(net(inputs).flatten(0, 1), targets.flatten())
         loss.backward()
+        if optim.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(net.parameters(), optim.grad_clip)
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step + 1, optim)
         opt.step()
         losses.append(float(loss.detach()))
     return {k: v.detach().clone() for k, v in net.named_parameters()}, losses

@@ -12,15 +12,14 @@ import torch.distributed as dist
 from hetplan.runtime.checkpoint import write_atomic
 from hetplan.runtime.grad_sync import LocalParam
 from hetplan.runtime.model_torch import shard
+from hetplan.runtime.optim import STATE_KEYS, PlanOptimizer
+from hetplan.runtime.optim_config import OptimConfig, adamw_kwargs
 
-STATE_KEYS = ("exp_avg", "exp_avg_sq")
 
-
-def make_optimizer(params: list[torch.nn.Parameter], lr: float) -> torch.optim.Optimizer:
-    """Returns the AdamW optimizer every run uses (the single-process reference too)."""
-    return torch.optim.AdamW(
-        params, lr=lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, foreach=False
-    )
+def make_optimizer(params: list[torch.nn.Parameter], cfg: OptimConfig) -> torch.optim.Optimizer:
+    """Returns the AdamW optimizer of the single-process reference (the plan's runs use
+    the same arguments through ``PlanOptimizer``)."""
+    return torch.optim.AdamW(params, **adamw_kwargs(cfg))
 
 
 def _gather(t: torch.Tensor, dim: int | None, tp: int, group: Any) -> torch.Tensor:
@@ -32,13 +31,14 @@ def _gather(t: torch.Tensor, dim: int | None, tp: int, group: Any) -> torch.Tens
 
 
 def gather_unit(
-    params: list[LocalParam], opt: torch.optim.Optimizer, tp: int, group: Any
+    params: list[LocalParam], opt: PlanOptimizer, tp: int, group: Any
 ) -> dict[str, Any]:
-    """Returns the full parameters and Adam state of ``params`` (a collective on the TP group)."""
+    """Returns the full parameters and Adam state of ``params`` (a collective on the TP group;
+    ``opt.materialize()`` must have run on every rank first)."""
     out: dict[str, Any] = {"params": {}, "optim": {}}
     for lp in params:
-        out["params"][lp.name] = _gather(lp.param, lp.dim, tp, group)
-        st = opt.state.get(lp.param, {})
+        out["params"][lp.name] = _gather(opt.param_of(lp), lp.dim, tp, group)
+        st = opt.state_of(lp)
         entry: dict[str, Any] = {"step": float(st["step"]) if "step" in st else 0.0}
         for key in STATE_KEYS:
             if key in st:
@@ -64,17 +64,17 @@ def load_unit(path: Path) -> dict[str, Any]:
 def restore_unit(
     state: dict[str, Any],
     params: list[LocalParam],
-    opt: torch.optim.Optimizer,
+    opt: PlanOptimizer,
     tp: int,
     tp_index: int,
 ) -> None:
     """Loads this rank's shards of ``params`` and their Adam state from a unit's contents."""
     for lp in params:
-        full = state["params"][lp.name]
-        lp.param.copy_(shard(full, lp.dim, tp, tp_index).to(lp.param.device))
+        full = shard(state["params"][lp.name], lp.dim, tp, tp_index)
         entry = state["optim"].get(lp.name, {})
+        st = None
         if all(k in entry for k in STATE_KEYS):
-            st: dict[str, Any] = {"step": torch.tensor(float(entry["step"]))}
+            st = {"step": entry["step"]}
             for key in STATE_KEYS:
-                st[key] = shard(entry[key], lp.dim, tp, tp_index).to(lp.param.device).clone()
-            opt.state[lp.param] = st
+                st[key] = shard(entry[key], lp.dim, tp, tp_index)
+        opt.load(lp, full, st)

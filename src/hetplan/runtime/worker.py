@@ -17,16 +17,18 @@ import torch
 import torch.distributed as dist
 
 from hetplan.cluster import load_cluster
-from hetplan.model import load_model
 from hetplan.plan import load_plan
 from hetplan.runtime import checkpoint as ckpt
 from hetplan.runtime.config import RunConfig
 from hetplan.runtime.data import TokenSource
-from hetplan.runtime.grad_sync import LocalParam, local_params, sync_grads
+from hetplan.runtime.grad_sync import LocalParam, local_params
 from hetplan.runtime.layout import EMBED, HEAD, RuntimeLayout, build_layout, device_order
-from hetplan.runtime.model_torch import StageModel, init_params
+from hetplan.runtime.memory_meter import MemoryMeter
+from hetplan.runtime.model_torch import Features, StageModel, init_params
+from hetplan.runtime.optim import PlanOptimizer
 from hetplan.runtime.pipeline import build_schedule, make_loss_fn, run_step
-from hetplan.runtime.state import gather_unit, load_unit, make_optimizer, restore_unit, save_unit
+from hetplan.runtime.precision import LossScaler, set_matmul_precision
+from hetplan.runtime.state import gather_unit, load_unit, restore_unit, save_unit
 from hetplan.runtime.teardown import leave_and_exit
 
 log = logging.getLogger(__name__)
@@ -49,7 +51,7 @@ class Trainer:
 
     def __init__(self, cfg: RunConfig) -> None:
         self.cfg = cfg
-        self.model = load_model(cfg.model)
+        self.model = cfg.model_spec()
         self.cluster = load_cluster(cfg.cluster)
         self.plan = load_plan(Path(cfg.plan))
         self.rank, world = dist.get_rank(), dist.get_world_size()
@@ -64,14 +66,52 @@ class Trainer:
         self.tp_group = groups[place.tp_ranks] if place.tp > 1 else None
         self.sync = [(g, groups[g.ranks]) for g in self.layout.sync_groups if self.rank in g.ranks]
         self.device = _device(cfg.device)
-        _set_matmul_precision(self.plan.precision, self.device)
+        set_matmul_precision(self.plan.precision, self.device)
+        plan = self.plan
+        init = None
+        if cfg.init_from:  # checked by the launcher; its numerics hold when resuming too
+            from hetplan.runtime.hf_weights import open_init
+
+            init = open_init(Path(cfg.init_from), self.model)
+        self.features = Features(
+            precision=plan.precision,
+            recompute=plan.recompute,
+            flash_attention=plan.flash_attention,
+            sequence_parallel=plan.sequence_parallel and place.tp > 1,
+            dropout=cfg.dropout,
+            **({"norm_eps": init.norm_eps, "rope_theta": init.rope_theta} if init else {}),
+        )
         self.modules = []
         for c in place.chunks:
-            m = StageModel(self.model, c, place.tp, place.tp_index, self.tp_group)
+            m = StageModel(self.model, c, place.tp, place.tp_index, self.tp_group, self.features)
             init_params(m, cfg.seed, place.tp, place.tp_index)
-            self.modules.append(m.to(self.device))
+            self.modules.append(m)
+        if init is not None and not cfg.resume:
+            from hetplan.runtime.hf_weights import load_init
+
+            load_init(self.modules, init, self.model, place.tp, place.tp_index)
+        self.modules = [m.to(self.device) for m in self.modules]
+        if plan.zero_stage == 3:
+            from hetplan.runtime.fsdp import shard_layers
+
+            shard_layers(list(self.modules), self.sync, self.device)
+        # dropout masks: equal on a stage's TP ranks (they hold the same activations)
+        torch.manual_seed(cfg.seed * 1_000_003 + 7919 * place.replica + place.stage + 1)
         self.params: list[LocalParam] = local_params(list(self.modules))
-        self.opt = make_optimizer([lp.param for lp in self.params], cfg.lr)
+        self.scaler = LossScaler(plan.precision == "fp16")
+        self.opt = PlanOptimizer(
+            self.params,
+            self.sync,
+            plan.zero_stage,
+            cfg.optim(),
+            self.layout,
+            place,
+            self.tp_group,
+            self.features.sequence_parallel,
+            self.scaler,
+            self.device,
+        )
+        self.meter = MemoryMeter(self.device, [lp.param for lp in self.params])
         self.step, self.position = 0, 0
         self.elastic: Any = None
         if cfg.local_dir:
@@ -82,13 +122,25 @@ class Trainer:
             self.elastic.restore()
         elif cfg.resume and cfg.checkpoint_dir:
             self._restore(Path(cfg.checkpoint_dir))
+        if cfg.checkpoint_dir and self.elastic is None:
+            if self.rank == 0:
+                for stale in ckpt.clean_staging(Path(cfg.checkpoint_dir)):
+                    log.warning("removed %s, left by an interrupted save", stale)
+            dist.barrier()
         self.data = TokenSource(
             self.model.vocab, self.model.seq, cfg.seed, Path(cfg.data) if cfg.data else None
         )
-        loss_fn = make_loss_fn(self.plan.micro_batch_size, self.plan.global_batch_size)
+        loss_fn = make_loss_fn(self.plan.micro_batch_size, self.plan.global_batch_size, self.scaler)
         pp_group = groups[place.pp_ranks]
         self.sched = build_schedule(
-            self.plan.schedule, place, list(self.modules), self.device, pp_group, loss_fn
+            self.plan.schedule,
+            place,
+            list(self.modules),
+            self.device,
+            pp_group,
+            loss_fn,
+            self.model,
+            self.plan.precision,
         )
 
     def _units(self) -> list[str]:
@@ -96,29 +148,37 @@ class Trainer:
 
     def _restore(self, root: Path) -> None:
         man = ckpt.verify_checkpoint(root, self.model)
+        ckpt.check_batch(man, self.plan.global_batch_size, self.cfg.allow_batch_change)
         for unit in self._units():
             mine = [lp for lp in self.params if lp.unit == unit]
             state = load_unit(man.path / f"{unit}.pt")
             restore_unit(state, mine, self.opt, self.place.tp, self.place.tp_index)
         self.step, self.position = man.step, man.data_position
 
-    def train_step(self) -> float:
-        """Runs one optimizer step on the next global batch; returns the global mean loss."""
+    def train_step(self) -> dict[str, Any]:
+        """Runs one optimizer step on the next global batch; returns the global mean loss,
+        the gradient norm, the learning rate and whether an fp16 overflow skipped it."""
         place = self.place
         inputs, targets = self.data.batch(self.position + place.batch_offset, place.batch_size)
-        self.opt.zero_grad(set_to_none=True)
-        local = run_step(self.sched, place, inputs.to(self.device), targets.to(self.device))
-        sync_grads(self.params, self.sync, place.tp, place.tp_index)
-        self.opt.step()
-        counted = local if place.tp_index == 0 else 0.0
-        loss = torch.tensor([counted], dtype=torch.float64)
+        self.opt.zero_grad()
+        scale = self.scaler.scale
+        with self.meter.step():
+            local = run_step(self.sched, place, inputs.to(self.device), targets.to(self.device))
+        info = self.opt.step(self.step + 1)
+        held = [lp.param for lp in self.params] + self.opt.state_tensors()
+        self.meter.note_static(
+            held + [p.grad for p in held[: len(self.params)] if p.grad is not None]
+        )
+        counted = local / scale if place.tp_index == 0 else 0.0
+        loss = torch.tensor([counted], dtype=torch.float64, device=self.device)
         dist.all_reduce(loss)
         self.step += 1
         self.position += self.plan.global_batch_size
-        return float(loss.item())
+        return {"loss": float(loss.item()), **info}
 
     def save(self, root: Path) -> None:
         """Writes a checkpoint of the current step (collective over all ranks)."""
+        self.opt.materialize()
         if self.elastic is not None:
             self.elastic.save()
             return
@@ -145,7 +205,16 @@ class Trainer:
         dist.all_gather_object(gathered, files)
         if self.rank == 0:
             merged = {k: v for part in gathered for k, v in part.items()}
-            ckpt.commit(root, self.step, self.position, self.cfg.seed, self.model, merged)
+            ckpt.commit(
+                root,
+                self.step,
+                self.position,
+                self.cfg.seed,
+                self.model,
+                merged,
+                global_batch=self.plan.global_batch_size,
+                keep=self.cfg.keep,
+            )
         dist.barrier()
 
 
@@ -155,27 +224,24 @@ def _device(name: str) -> torch.device:
     return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
 
 
-def _set_matmul_precision(precision: str, device: torch.device) -> None:
-    """Lets fp32 matmuls use TF32 tensor cores for tf32 plans and forbids it for fp32 plans."""
-    if device.type != "cuda" or precision not in ("fp32", "tf32"):
-        return  # on CPU tf32 is fp32 math
-    torch.backends.cuda.matmul.allow_tf32 = precision == "tf32"
-    torch.backends.cudnn.allow_tf32 = precision == "tf32"
-
-
 def train(cfg: RunConfig) -> dict[str, Any]:
     """Runs training on this rank (process group already initialised); returns the record."""
     tr = Trainer(cfg)
     steps: list[dict[str, Any]] = []
     progress = _progress(cfg.steps - tr.step) if cfg.progress and tr.rank == 0 else None
+    tokens = tr.plan.global_batch_size * tr.model.seq
     while tr.step < cfg.steps:
         t0 = time.perf_counter()
-        loss = tr.train_step()
+        info = tr.train_step()
         dt = time.perf_counter() - t0
-        steps.append({"step": tr.step, "loss": loss, "time_s": dt})
+        loss = info["loss"]
+        entry = {"step": tr.step, "time_s": dt, "tokens_per_s": tokens / dt, **info}
+        steps.append(entry)
+        if tr.rank == 0 and cfg.result:
+            with open(cfg.result + ".steps", "a") as log_file:  # read after a failure
+                log_file.write(json.dumps(entry) + "\n")
         if progress is not None:
-            tokens_s = tr.plan.global_batch_size * tr.model.seq / dt
-            progress[0].update(progress[1], advance=1, loss=loss, dt=dt, tps=tokens_s)
+            progress[0].update(progress[1], advance=1, loss=loss, dt=dt, tps=tokens / dt)
         every = cfg.checkpoint_every
         root = cfg.checkpoint_dir or cfg.local_dir
         if root and (tr.step == cfg.steps or (every and tr.step % every == 0)):
@@ -185,9 +251,14 @@ def train(cfg: RunConfig) -> dict[str, Any]:
     if progress is not None:
         progress[0].stop()
     timed = [s["time_s"] for s in steps[cfg.warmup_steps :]] or [s["time_s"] for s in steps]
+    peaks: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(peaks, (tr.place.device, tr.meter.peak_bytes()))
+    measured = statistics.median(timed) if timed else None
     return {
         "steps": steps,
-        "measured_step_time_s": statistics.median(timed) if timed else None,
+        "peak_memory_bytes": dict(peaks),
+        "tokens_per_s": tokens / measured if measured else None,
+        "measured_step_time_s": measured,
         "final_step": tr.step,
         "world_size": dist.get_world_size(),
     }

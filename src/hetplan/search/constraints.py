@@ -12,7 +12,7 @@ from dataclasses import dataclass, fields, replace
 from typing import Any, TypeVar
 
 from hetplan.cluster import Cluster
-from hetplan.errors import InputError
+from hetplan.errors import InputError, shown
 from hetplan.plan import RECOMPUTE, SCHEDULES, Plan
 from hetplan.search.homogeneous import SearchSpace
 
@@ -34,12 +34,12 @@ def parse_ints(option: str, text: str | None, lowest: int = 1) -> tuple[int, ...
             hi = int(hi_text) if dots else lo
         except ValueError:
             raise InputError(
-                option, f"{text!r} is not a number, a list like 1,2,4 or a range like 2..16"
+                option, f"{shown(text)} is not a number, a list like 1,2,4 or a range like 2..16"
             ) from None
         if lo < lowest or hi < lo:
-            raise InputError(option, f"{part!r}: values must be >= {lowest}, ranges low..high")
+            raise InputError(option, f"{shown(part)}: values must be >= {lowest}, ranges low..high")
         if hi - lo > MAX_RANGE:
-            raise InputError(option, f"{part!r}: a range of at most {MAX_RANGE} values")
+            raise InputError(option, f"{shown(part)}: a range of at most {MAX_RANGE} values")
         values.update(range(lo, hi + 1))
     return tuple(sorted(values))
 
@@ -53,7 +53,7 @@ def parse_names(option: str, text: str | None, allowed: tuple[str, ...]) -> tupl
     for part in text.split(","):
         name = by_lower.get(part.strip().lower())
         if name is None:
-            raise InputError(option, f"{part.strip()!r} is not one of {', '.join(allowed)}")
+            raise InputError(option, f"{shown(part.strip())} is not one of {', '.join(allowed)}")
         if name not in out:
             out.append(name)
     return tuple(out)

@@ -19,6 +19,7 @@ from scipy.optimize import Bounds, LinearConstraint, milp
 
 from hetplan.cluster import Cluster, Node
 from hetplan.hardware import GPUType
+from hetplan.search.packing_bound import settle
 from hetplan.search.partition import split_batch, split_time_s
 
 
@@ -80,7 +81,14 @@ class MilpMemo:
 
     answers: dict[bytes, NDArray[np.int64] | None] = field(default_factory=dict)
     solves: int = 0
+    """MILPs solved by HiGHS."""
+    proofs: int = 0
+    """Instances proven infeasible without HiGHS (``packing_bound``)."""
     hits: int = 0
+    duals: list[NDArray[np.float64]] = field(default_factory=list)
+    """Duals of the latest infeasibility proofs, tried first on the next instances."""
+    gids: dict[bytes, NDArray[np.int64]] = field(default_factory=dict)
+    """Per row set (counts), the number of each row's count vector."""
 
 
 def _columns(
@@ -231,8 +239,14 @@ def select_pipelines(
     tail = np.array([lo_n, hi_n, total_micro, *avl], dtype=np.int64).tobytes()
 
     def feasible(
-        rows: Rows, gid: NDArray[np.int64], z: float, step: NDArray[np.int64] | None
+        rows: Rows,
+        gid: NDArray[np.int64],
+        z: float,
+        step: NDArray[np.int64] | None,
+        exists_only: bool = False,
     ) -> NDArray[np.int64] | None:
+        """Returns pipelines per row running every micro-batch within ``z`` (the MILP's
+        answer: the search goes on from it), or None; ``exists_only``: any such point."""
         c, f, b = rows
         cap = _caps(f, b, z, total_micro, step)
         cols = _columns(c, gid, cap, f + (cap - 1) * b)
@@ -241,9 +255,16 @@ def select_pipelines(
             memo.hits += 1
             x = memo.answers[key]
         else:
-            memo.solves += 1
-            x = _max_units(c[cols].T.astype(float), cap[cols], avl, (lo_n, hi_n), total_micro)
-            memo.answers[key] = x
+            a = c[cols].T.astype(float)
+            quick = settle(a, cap[cols], avl, (lo_n, hi_n), total_micro, exists_only, memo.duals)
+            if quick is False:  # proven infeasible: the MILP's answer too
+                memo.proofs += 1
+                x = memo.answers[key] = None
+            elif isinstance(quick, np.ndarray):  # a point, not the MILP's own: not kept
+                x = quick
+            else:
+                memo.solves += 1
+                x = memo.answers[key] = _max_units(a, cap[cols], avl, (lo_n, hi_n), total_micro)
         if x is None:
             return None
         full = np.zeros(len(f), dtype=np.int64)
@@ -251,14 +272,18 @@ def select_pipelines(
         return full
 
     def groups(c: NDArray[np.int64]) -> NDArray[np.int64]:
-        out: NDArray[np.int64] = np.unique(c, axis=0, return_inverse=True)[1].reshape(-1)
+        key = c.tobytes() + np.array(c.shape, dtype=np.int64).tobytes()
+        out = memo.gids.get(key)  # the bands of one setting share their rows
+        if out is None:
+            out = memo.gids[key] = np.unique(c, axis=0, return_inverse=True)[1].reshape(-1)
         return out
 
     if math.isfinite(cutoff_s):  # one MILP: can any selection's bound beat the cutoff?
         floor = np.min(bf + (math.ceil(total_micro / hi_n) - 1) * bb) * (1 - 1e-9)
         if floor >= cutoff_s:
             return None
-        if feasible((bc, bf, bb), groups(bc), cutoff_s * (1 - 1e-12), bound_steps) is None:
+        z = cutoff_s * (1 - 1e-12)
+        if feasible((bc, bf, bb), groups(bc), z, bound_steps, exists_only=True) is None:
             return None
     rows, gid = (cnt, fill, bott), groups(cnt)
 

@@ -24,6 +24,7 @@ from hetplan.search.het_space import (
     zero_choices,
 )
 from hetplan.search.het_tables import ClassTable, Knobs, PlanBounds, class_table
+from hetplan.search.progress import ProgressHook, SearchProgress
 
 
 @dataclass(order=True)
@@ -59,6 +60,8 @@ class CandidatePool:
     pending: list[_Pending] = field(default_factory=list)
     seen: set[Plan] = field(default_factory=set)
     tables: dict[tuple[int, int, Knobs], ClassTable] = field(default_factory=dict)
+    acts: dict[tuple[object, ...], float] = field(default_factory=dict)
+    """Peak activations, shared by every table (``class_table``)."""
     bounds: PlanBounds | None = None
     evaluated: int = 0
     prune: bool = True
@@ -66,6 +69,8 @@ class CandidatePool:
     constraints: PlanConstraints = field(default_factory=PlanConstraints)
     """The user's limits: knob domains are narrowed to them, and no plan that breaks one
     is queued or recorded."""
+    progress: ProgressHook | None = None
+    """Told after every estimate (candidates estimated, best so far)."""
 
     # ---------------------------------------------------------------- knob domains
     @property
@@ -117,7 +122,7 @@ class CandidatePool:
         for k, (c, t) in enumerate(zip(self.classes, tps, strict=True)):
             key = (k, t, knobs)
             if key not in self.tables:  # shared, so their memory caps are computed once
-                self.tables[key] = class_table(self.model, c, t, knobs, self.params)
+                self.tables[key] = class_table(self.model, c, t, knobs, self.params, self.acts)
             out.append(self.tables[key])
         return out
 
@@ -127,7 +132,7 @@ class CandidatePool:
         if not self.constraints.allows(plan):
             return
         if not est.fits:
-            self.min_mem = min(self.min_mem, max(s.memory.total for s in est.stages))
+            self.min_mem = min(self.min_mem, est.max_memory_bytes)
             return
         t = est.iteration_time_s
         self.pool.append((t, tiebreak(plan), plan, est))
@@ -181,6 +186,9 @@ class CandidatePool:
         est = estimate(plan, self.model, self.cluster, self.params, validate=False)
         self.evaluated += 1
         self.add(plan, est)
+        if self.progress is not None:
+            best = None if math.isinf(self.best_s) else self.best_s
+            self.progress(SearchProgress(self.evaluated, None, best))
         if origin is not None and est.fits:
             t = est.iteration_time_s
             self.by_origin[origin] = min(self.by_origin.get(origin, math.inf), t)

@@ -38,7 +38,7 @@ from hetplan.cost.schedule import EXACT_ACTION_LIMIT, peak_in_flight, replay
 from hetplan.model import ModelSpec
 from hetplan.plan import Plan, element_bytes
 from hetplan.search.grouping import DeviceClass
-from hetplan.search.partition import Partition, uniform_frontier
+from hetplan.search.partition import Partition, uniform_frontiers
 
 MANY = 1 << 30
 """A micro-batch count beyond any warm-up: the steady-state number of chunks in flight."""
@@ -128,6 +128,11 @@ class ClassTable:
     _caps: dict[tuple[int, bool, bool, bool], int] = field(default_factory=dict)
     _rows: dict[int, tuple[int, ...]] = field(default_factory=dict)
     _times: dict[tuple[int, bool, bool], tuple[float, ...]] = field(default_factory=dict)
+    _acts: dict[tuple[object, ...], float] = field(default_factory=dict)
+    """Peak activations by TP degree, activation knobs, layers, position, micro-batches in
+    flight and sequence parallelism: they depend on nothing else of one model, so tables
+    of other classes and ZeRO settings may share it (``class_table``'s ``acts``)."""
+    _state: dict[tuple[int, bool, bool, bool, int], float] = field(default_factory=dict)
 
     @property
     def pair_in_node(self) -> bool:
@@ -225,9 +230,19 @@ class ClassTable:
         k = self.knobs
         first, last = j == 0, j == p - 1
         units = peak_in_flight(k.schedule, p, m, k.virtual_stages, j)
-        acts = self.activation_bytes(layers, first, last, units, sp)
-        state = stage_state_bytes(self.model, layers, self.tp, first, last, p == 1, k.precision,
-                                  z, k.dp_assumed)  # fmt: skip
+        # activations do not depend on the ZeRO stage or the GPU, nor the state on the
+        # micro-batches in flight: each is computed once and shared
+        akey = (self.tp, k.micro_batch, k.recompute, k.flash_attention, k.virtual_stages,
+                k.precision, layers, first, last, units, sp)  # fmt: skip
+        acts = self._acts.get(akey)
+        if acts is None:
+            acts = self._acts[akey] = self.activation_bytes(layers, first, last, units, sp)
+        skey = (layers, first, last, p == 1, z)
+        state = self._state.get(skey)
+        if state is None:
+            state = self._state[skey] = stage_state_bytes(
+                self.model, layers, self.tp, first, last, p == 1, k.precision, z, k.dp_assumed
+            )
         return state + acts + self.reserve_bytes
 
     def stage_bytes(self, layers: int, j: int, p: int, m: int = MANY) -> float:
@@ -268,9 +283,15 @@ class ClassTable:
 
 
 def class_table(
-    model: ModelSpec, cls: DeviceClass, tp: int, knobs: Knobs, params: CostParams
+    model: ModelSpec,
+    cls: DeviceClass,
+    tp: int,
+    knobs: Knobs,
+    params: CostParams,
+    acts: dict[tuple[object, ...], float] | None = None,
 ) -> ClassTable:
-    """Returns the cost table of ``cls`` at tensor-parallel degree ``tp``."""
+    """Returns the cost table of ``cls`` at tensor-parallel degree ``tp``; ``acts``: a
+    cache of peak activations shared with the other tables of ``model``."""
     node = cls.nodes[0]
     peer = cls.nodes[1] if len(cls.nodes) > 1 else replace(node, name=node.name + "~peer")
     table = ClassTable(
@@ -291,6 +312,8 @@ def class_table(
         node=node,
         peer=peer,
     )
+    if acts is not None:
+        table._acts = acts
     base = table.stage_s(0, False, False)
     table.overhead_s = base
     table.layer_s = table.stage_s(1, False, False) - base
@@ -356,21 +379,29 @@ class StageArrays:
 
     def of(self, seq: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray, np.ndarray, float]:
         """Returns per-stage (time per unit, fixed time, max units) and the send total."""
-        p = len(seq)
-        k = np.asarray(seq, dtype=np.int64)
+        tau, fixed, caps, sends = self.of_many([seq])
+        return tau[0], fixed[0], caps[0], float(sends[0])
+
+    def of_many(
+        self, seqs: list[tuple[int, ...]]
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Returns ``of`` for sequences of one length, a row each (sends: one per row)."""
+        k = np.array(seqs, dtype=np.int64)
+        p = k.shape[1]
         tau = self.layer_s[k]
         fixed = self.overhead_s[k].astype(float)
-        fixed[0] += self.embedding_s[k[0]]
-        fixed[-1] += self.head_s[k[-1]]
-        caps = self.caps(p)[k, np.arange(p)]
-        hop = self.hop[k, np.append(k[1:], k[:1])]  # stage j to j+1, the last to the first
+        fixed[:, 0] += self.embedding_s[k[:, 0]]
+        fixed[:, -1] += self.head_s[k[:, -1]]
+        caps = self.caps(p)[k, np.arange(p)[None, :]]
+        # stage j to j+1, the last to the first
+        hop = self.hop[k, np.concatenate([k[:, 1:], k[:, :1]], axis=1)]
         if p > 1:
             # estimate.p2p_wait_s, vectorised: each chunk receives from the previous stage
             # (not the very first chunk) and sends to the next (not the very last)
             before, after = self._counts(p)
-            prev = np.append(hop[-1:], hop[:-1])
+            prev = np.concatenate([hop[:, -1:], hop[:, :-1]], axis=1)
             fixed += 2.0 * self.p2p_exposed[k] * (before * prev + after * hop)
-        return tau, fixed, caps, 2.0 * float(hop[: p - 1].sum())
+        return tau, fixed, caps, 2.0 * hop[:, : p - 1].sum(axis=1)
 
     def _counts(self, p: int) -> tuple[np.ndarray, np.ndarray]:
         hit = self._wait_counts.get(p)
@@ -401,24 +432,52 @@ def make_template(
 ) -> Template | None:
     """Returns the template of a stage sequence, or None if the layers cannot fit; equal
     stage arrays share one frontier through ``cache``. Splits are in layers."""
+    return make_templates(tables, [seq], layers, cache)[0]
+
+
+def make_templates(
+    tables: list[ClassTable] | StageArrays,
+    seqs: list[tuple[int, ...]],
+    layers: int,
+    cache: FrontierCache | None = None,
+) -> list[Template | None]:
+    """Returns ``make_template`` of every sequence, the frontiers of sequences of one
+    length computed together (``uniform_frontiers``)."""
     arrays = tables if isinstance(tables, StageArrays) else StageArrays(tables)
     u = arrays.unit
+    out: list[Template | None] = [None] * len(seqs)
     if layers % u:
-        return None
-    tau, fixed, caps, sends = arrays.of(seq)
+        return out
     units = layers // u
-    key = b"".join((tau.tobytes(), fixed.tobytes(), caps.tobytes(), units.to_bytes(4, "little")))
-    frontier = cache.get(key) if cache is not None else None
-    if frontier is None:
-        frontier = tuple(uniform_frontier(tau, fixed, caps, units))
-        if u > 1:
-            frontier = tuple(Partition(tuple(x * u for x in q.layers), q.stage_s) for q in frontier)
-        if cache is not None:
-            cache[key] = frontier
-    if not frontier:
-        return None
-    counts = tuple(seq.count(k) for k in range(len(arrays.tables)))
-    return Template(seq, counts, frontier, sends)
+    cache = cache if cache is not None else {}
+    tail = units.to_bytes(4, "little")
+    by_len: dict[int, list[int]] = {}
+    for i, seq in enumerate(seqs):
+        by_len.setdefault(len(seq), []).append(i)
+    for idx in by_len.values():
+        tau, fixed, caps, sends = arrays.of_many([seqs[i] for i in idx])
+        keys = [
+            b"".join((tau[r].tobytes(), fixed[r].tobytes(), caps[r].tobytes(), tail))
+            for r in range(len(idx))
+        ]
+        todo: dict[bytes, int] = {}
+        for r, key in enumerate(keys):
+            if key not in cache and key not in todo:
+                todo[key] = r
+        if todo:
+            rows = np.array(list(todo.values()), dtype=np.int64)
+            fronts = uniform_frontiers(tau[rows], fixed[rows], caps[rows], units)
+            for key, front in zip(todo, fronts, strict=True):
+                if u > 1:
+                    front = [Partition(tuple(x * u for x in q.layers), q.stage_s) for q in front]
+                cache[key] = tuple(front)
+        for r, i in enumerate(idx):
+            frontier = cache[keys[r]]
+            if frontier:
+                seq = seqs[i]
+                counts = tuple(seq.count(k) for k in range(len(arrays.tables)))
+                out[i] = Template(seq, counts, frontier, float(sends[r]))
+    return out
 
 
 def class_orders(tables: list[ClassTable]) -> list[tuple[int, ...]]:

@@ -21,7 +21,7 @@ from hetplan.search.het_tables import (
     Template,
     class_orders,
     compositions,
-    make_template,
+    make_templates,
 )
 from hetplan.search.partition import best_on_frontier
 
@@ -64,17 +64,13 @@ def build_templates(
     few, else near-even shares) in every tried class order, with their layer frontiers."""
     avail = [t.groups for t in tables]
     arrays = StageArrays(tables)
-    out: dict[tuple[int, ...], Template] = {}
+    seqs: dict[tuple[int, ...], None] = {}
     orders = class_orders(tables)
     most = min(MAX_STAGES, layers // arrays.unit)
     for counts in compositions(avail, most, TEMPLATE_BUDGET, max_pipelines):
         for order in orders:
-            seq = tuple(k for k in order for _ in range(counts[k]))
-            if seq not in out:
-                tpl = make_template(arrays, seq, layers, cache)
-                if tpl is not None:
-                    out[seq] = tpl
-    return list(out.values())
+            seqs[tuple(k for k in order for _ in range(counts[k]))] = None
+    return [t for t in make_templates(arrays, list(seqs), layers, cache) if t is not None]
 
 
 def pareto_rows(c: np.ndarray, f: np.ndarray, b: np.ndarray) -> np.ndarray:

@@ -57,6 +57,7 @@ from hetplan.search.het_generation import SearchState
 from hetplan.search.het_result import HeteroResult
 from hetplan.search.het_space import canonical
 from hetplan.search.het_tables import PlanBounds
+from hetplan.search.progress import ProgressHook
 
 __all__ = ["HeteroResult", "search_heterogeneous", "search_with"]
 
@@ -79,11 +80,12 @@ def search_heterogeneous(
     params: CostParams | None = None,
     flash_attention: bool = True,
     constraints: PlanConstraints | None = None,
+    progress: ProgressHook | None = None,
 ) -> HeteroResult:
     """Returns the top-k plans on a mixed cluster, best first, with both baselines (only
-    plans the constraints allow)."""
+    plans the constraints allow); ``progress`` is told after every estimate."""
     return search_with(model, cluster, global_batch, precision, top_k, params, flash_attention,
-                       constraints=constraints)  # fmt: skip
+                       constraints=constraints, progress=progress)  # fmt: skip
 
 
 def search_with(
@@ -97,6 +99,7 @@ def search_with(
     prune: bool = True,
     enumerate_budget: int = ENUMERATION_BUDGET,
     constraints: PlanConstraints | None = None,
+    progress: ProgressHook | None = None,
 ) -> HeteroResult:
     """Returns what ``search_heterogeneous`` does; ``prune=False`` turns off every bound
     (to check that pruning loses nothing); ``enumerate_budget=0`` skips the enumeration."""
@@ -135,6 +138,7 @@ def search_with(
     )
     state.prune = prune
     state.constraints = constraints
+    state.progress = progress
     state.bounds = PlanBounds(model, cluster, params)
     for b in (single, uniform):
         if b is not None:

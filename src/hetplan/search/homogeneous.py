@@ -7,13 +7,16 @@ import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 
+from hetplan.chunk_layout import lightened_chunks
 from hetplan.cluster import Cluster, Node
 from hetplan.cost.estimate import (
     Estimate,
     StageKey,
     SyncLayout,
+    chunk_split,
     estimate,
     grad_sync_times,
+    part_split,
     stage_times,
     sync_layout,
 )
@@ -24,12 +27,13 @@ from hetplan.cost.memory import (
     zero3_working_bytes,
 )
 from hetplan.cost.params import CostParams, default_params
-from hetplan.cost.schedule import peak_in_flight
+from hetplan.cost.schedule import held_layers, peak_in_flight
 from hetplan.cost.sharding import bucket_count, exposed_sync_s
 from hetplan.errors import InputError
 from hetplan.model import ModelSpec
-from hetplan.plan import Plan, element_bytes
+from hetplan.plan import Pipeline, Plan, Stage, element_bytes
 from hetplan.search.layout import even_layer_split, uniform_plan
+from hetplan.search.progress import ProgressHook, SearchProgress
 
 
 def divisors(n: int) -> list[int]:
@@ -51,6 +55,18 @@ class Candidate:
     schedule: str
     virtual_stages: int
     sequence_parallel: bool
+    lightened: bool = False
+    """Interleaved with the first and last stages one layer lighter than the others (in
+    the chunk beside the embedding and the head; Llama 3 405B's layout), where the
+    layers do not split evenly into equal chunks (``lightened_chunks``)."""
+
+
+def lightens(layers: int, pp: int, v: int) -> bool:
+    """Returns whether ``layers`` fill ``pp`` stages of ``v`` equal chunks but for one layer
+    less on the first and the last stage (``layers + 2 = pp * v * n``, n >= 1). With n = 1
+    the first chunk holds only the embedding and the last only the head, as Meta states
+    of Llama 3 405B (126 layers, PP 16, V 8)."""
+    return pp > 1 and v > 1 and (layers + 2) % (pp * v) == 0
 
 
 @dataclass
@@ -118,10 +134,12 @@ def enumerate_candidates(
                         splits = set(even_layer_split(model.layers, pp))
                         if v <= min_layers and all(x % v == 0 for x in splits):
                             schedules.append(("Interleaved1F1B", v))
+                        elif lightens(model.layers, pp, v):
+                            schedules.append(("Interleaved1F1B", -v))
                 if "1F1B" not in space.schedules:
                     schedules = [s for s in schedules if s[0] != "1F1B"]
                 if space.virtual_stages is not None:
-                    schedules = [s for s in schedules if s[1] in space.virtual_stages]
+                    schedules = [s for s in schedules if abs(s[1]) in space.virtual_stages]
                 for rc in space.recompute:
                     for zero in space.zero_stages:
                         if zero and dp == 1:
@@ -132,7 +150,8 @@ def enumerate_candidates(
                             for sp in space.sequence_parallel:
                                 if sp and tp == 1:
                                     continue
-                                yield Candidate(tp, pp, dp, mb, rc, zero, sched, v, sp)
+                                yield Candidate(tp, pp, dp, mb, rc, zero, sched, abs(v), sp,
+                                                v < 0)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -235,10 +254,14 @@ class _Scorer:
             if c.zero_stage == 3:
                 w += zero3_working_bytes(model, c.tp, precision)
             units = peak_in_flight(c.schedule, c.pp, m, c.virtual_stages, j)
+            held = None
+            if c.lightened:
+                chunks = lightened_chunks(shape.split, c.virtual_stages)[j]
+                held = held_layers(c.schedule, c.pp, m, j, chunks)
             acts = combine_activation_bytes(
                 shape.split[j], shape.layer_act_bytes, shape.embed_act_bytes,
                 shape.head_act_bytes, shape.working_act_bytes, first, last, units,
-                c.virtual_stages,
+                c.virtual_stages, held,
             )  # fmt: skip
             worst = max(worst, w + g + o + acts + params.memory_reserve_bytes)
         return worst
@@ -264,8 +287,11 @@ class _Scorer:
     def knob_plan(self, c: Candidate) -> Plan:
         """Returns the candidate's plan (its layout with its knobs)."""
         sp = self.space
+        base = self.layout(c).plan
+        if c.lightened:
+            base = lighten(base, c.virtual_stages)
         return replace(
-            self.layout(c).plan,
+            base,
             micro_batch_size=c.micro_batch,
             precision=self.precision,
             recompute=c.recompute,
@@ -328,6 +354,10 @@ class _Scorer:
                                p == 1)  # fmt: skip
                 times = memo.stages[skey] = stage_times(plan, model, key, node, params)[:5]
             fwd, bwd, rc, tpc, _ = times
+            if c.lightened:  # the fill and drain run its quickest chunk (with its part)
+                f_first, b_first = self._quickest_chunk(c, plan, j, node, layers, skey, times)
+            else:
+                f_first, b_first = fwd / v, (bwd + rc + tpc) / v
             p_local = stage_params(model, layers, c.tp, first, last, p == 1)
             okey = (node.gpu.name, c.tp, layers, first, last, self.precision, shards)
             opt = memo.optimizer.get(okey)
@@ -341,12 +371,67 @@ class _Scorer:
             own = f_acc + m * (fwd + bwd + rc + tpc)
             busy.append(own + exposed + opt)
             ends.append(own + b_acc)
-            f_acc += fwd / v
-            b_acc += (bwd + rc + tpc) / v
+            f_acc += f_first
+            b_acc += b_first
             if first:
                 starts, tails = exposed, opt  # stage 0's reduction and optimizer
         bound = max(max(busy), max(ends) + starts + tails)
         return bound * (1.0 - 1e-9)
+
+    def _quickest_chunk(
+        self,
+        c: Candidate,
+        plan: Plan,
+        j: int,
+        node: Node,
+        layers: int,
+        skey: tuple[object, ...],
+        times: tuple[float, float, float, float, float],
+    ) -> tuple[float, float]:
+        """Returns the least forward and backward-side time of any chunk of stage ``j`` of a
+        lightened candidate, as estimate() splits them (without transfers)."""
+        memo, p, v = self.memo, c.pp, c.virtual_stages
+        first, last = j == 0, j == p - 1
+        ekey = (*skey[:3], 0, *skey[4:])
+        empty = memo.stages.get(ekey)
+        if empty is None:
+            key = StageKey(node.gpu, node.intra_node_bytes_per_s, c.tp, 0, first, last, p == 1)
+            empty = memo.stages[ekey] = stage_times(plan, self.model, key, node, self.params)[:5]
+        pkey = ("parts", *skey)
+        parts = memo.stages.get(pkey)
+        if parts is None:
+            parts = memo.stages[pkey] = (
+                *part_split(plan, self.model, node.gpu, c.tp, first, last, self.params),
+                0.0,
+            )
+        ef, eb, hf, hb, _ = parts
+        fwd, bwd, rc, tpc, _ = times
+        chunks = lightened_chunks(self.shape(c).split, v)[j]
+        fs = chunk_split(fwd - ef - hf, empty[0] - ef - hf, layers, chunks)
+        bs = chunk_split(bwd + rc + tpc - eb - hb, sum(empty[1:4]) - eb - hb, layers, chunks)
+        ends = [(ef if k == 0 else 0.0) + (hf if k == v - 1 else 0.0) for k in range(v)]
+        endb = [(eb if k == 0 else 0.0) + (hb if k == v - 1 else 0.0) for k in range(v)]
+        return (
+            min(f + e for f, e in zip(fs, ends, strict=True)),
+            min(b + e for b, e in zip(bs, endb, strict=True)),
+        )
+
+
+def lighten(plan: Plan, v: int) -> Plan:
+    """Returns ``plan`` (an even split over its stages) with each stage's layers in ``v``
+    chunks, the first stage's lighter chunk first and the last stage's last."""
+    split = [s.layers for s in plan.pipelines[0].stages]
+    chunks = lightened_chunks(split, v)
+    pipes = tuple(
+        Pipeline(
+            pipe.batch_size,
+            tuple(
+                Stage(s.layers, s.devices, ch) for s, ch in zip(pipe.stages, chunks, strict=True)
+            ),
+        )
+        for pipe in plan.pipelines
+    )
+    return replace(plan, pipelines=pipes)
 
 
 @dataclass
@@ -410,13 +495,15 @@ def search_homogeneous(
     space: SearchSpace | None = None,
     flash_attention: bool = True,
     memo: SearchMemo | None = None,
+    progress: ProgressHook | None = None,
 ) -> SearchResult:
     """Returns the top-k plans for a cluster of one GPU type by estimate(), best first,
     deterministically.
 
     Candidates are visited in order of a proven lower bound of their estimate() time and
     estimated exactly until the bound reaches the k-th best time found: no candidate that
-    could rank in the top k is skipped."""
+    could rank in the top k is skipped. ``progress`` is told after every estimate
+    (candidates estimated, of the fitting ones at most, and the best time so far)."""
     params = params or default_params()
     space = space or SearchSpace()
     scorer = _Scorer(model, cluster, precision, global_batch, params, flash_attention,
@@ -437,6 +524,8 @@ def search_homogeneous(
         if est.fits:
             ranked.append((est.iteration_time_s, _tiebreak(c), plan, est))
             ranked.sort(key=lambda x: (x[0], x[1]))
+        if progress is not None:
+            progress(SearchProgress(evaluated, len(sc.ranked), ranked[0][0] if ranked else None))
     result.ranked = [(plan, est) for _, _, plan, est in ranked[:top_k]]
     result.evaluated = evaluated
     return result
@@ -453,7 +542,7 @@ def candidate_plan(
     overlap_tp_comm: bool = False,
 ) -> Plan:
     """Returns the uniform plan of a candidate."""
-    return uniform_plan(
+    plan = uniform_plan(
         cluster,
         model.layers,
         c.tp,
@@ -471,12 +560,14 @@ def candidate_plan(
         overlap_grad_reduce=overlap_grad_reduce,
         overlap_tp_comm=overlap_tp_comm,
     )
+    return lighten(plan, c.virtual_stages) if c.lightened else plan
 
 
 def _tiebreak(c: Candidate) -> tuple[object, ...]:
     # prefer simpler plans on ties: less recomputation, lower ZeRO, fewer chunks
     rc = ("none", "selective", "full").index(c.recompute)
-    return (rc, c.zero_stage, c.virtual_stages, c.pp, c.tp, -c.micro_batch, c.sequence_parallel)
+    return (rc, c.zero_stage, c.virtual_stages, c.lightened, c.pp, c.tp, -c.micro_batch,
+            c.sequence_parallel)  # fmt: skip
 
 
 def _candidate_of(plan: Plan) -> Candidate:
@@ -491,4 +582,5 @@ def _candidate_of(plan: Plan) -> Candidate:
         plan.schedule,
         plan.virtual_stages,
         plan.sequence_parallel,
+        any(s.chunks is not None and len(set(s.chunks)) > 1 for s in first.stages),
     )

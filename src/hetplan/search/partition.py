@@ -124,47 +124,94 @@ def uniform_frontier(
     under T and in memory, which minimises the fill; any optimum of ``fill + (m-1) *
     bottleneck`` for any m is on the returned list. Empty when no split fits.
     """
+    tau = np.asarray(per_layer_s, dtype=float)[None, :]
+    fixed = np.asarray(fixed_s, dtype=float)[None, :]
+    return uniform_frontiers(tau, fixed, np.asarray(max_layers, dtype=np.int64)[None, :], layers)[0]
+
+
+BATCH_CELLS = 1 << 21
+"""The most (pipeline, threshold, stage) cells ``uniform_frontiers`` holds at once."""
+
+
+def uniform_frontiers(
+    per_layer_s: FloatArray, fixed_s: FloatArray, max_layers: IntArray, layers: int
+) -> list[list[Partition]]:
+    """Returns ``uniform_frontier`` of every row (pipelines of the same stage count), in
+    one pass of array operations over all of them."""
     tau = np.asarray(per_layer_s, dtype=float)
     fixed = np.asarray(fixed_s, dtype=float)
     cap = np.minimum(np.asarray(max_layers, dtype=np.int64), layers)
-    p = len(tau)
-    if p > layers or cap.min() < 1 or int(cap.sum()) < layers:
-        return []
+    n, p = tau.shape
+    out: list[list[Partition]] = [[] for _ in range(n)]
+    if p > layers or n == 0:
+        return out
+    ok = np.flatnonzero((cap.min(axis=1) >= 1) & (cap.sum(axis=1) >= layers))
+    if ok.size == 0:
+        return out
+    per_row = p * p * int(cap[ok].max())
+    step = max(1, BATCH_CELLS // per_row)
+    for lo in range(0, ok.size, step):
+        rows = ok[lo : lo + step]
+        for i, front in zip(rows.tolist(), _frontiers(tau[rows], fixed[rows], cap[rows], layers),
+                            strict=True):  # fmt: skip
+            out[i] = front
+    return out
+
+
+def _frontiers(
+    tau: FloatArray, fixed: FloatArray, cap: IntArray, layers: int
+) -> list[list[Partition]]:
+    n, p = tau.shape
     ls = np.arange(1, int(cap.max()) + 1)
-    grid = fixed[:, None] + ls[None, :] * tau[:, None]
-    thresholds = np.unique(grid[ls[None, :] <= cap[:, None]])
+    grid = fixed[:, :, None] + ls[None, None, :] * tau[:, :, None]  # (n, p, L)
+    grid = np.where(ls[None, None, :] <= cap[:, :, None], grid, np.inf).reshape(n, -1)
+    order = np.argsort(tau, axis=1, kind="stable")
     # below, some stage cannot take a layer; above the least-fill split's bottleneck,
     # every threshold gives that split again
-    order = np.argsort(tau, kind="stable")
-    top = float(np.max(fixed + _fastest_first(cap[None, :], order, layers)[0] * tau))
-    thresholds = thresholds[(thresholds >= float(np.max(fixed + tau))) & (thresholds <= top)]
-    eps = 1e-12 * max(1.0, float(thresholds[-1]))
-    under = np.floor((thresholds[:, None] - fixed[None, :] + eps) / tau[None, :]).astype(np.int64)
-    caps = np.minimum(under, cap[None, :])
-    caps = caps[(caps.min(axis=1) >= 1) & (caps.sum(axis=1) >= layers)]
-    if caps.shape[0] == 0:
-        return []
-    counts = _fastest_first(caps, order, layers)
-    stage = fixed[None, :] + counts * tau[None, :]
-    bott = stage.max(axis=1)
-    fill = stage.sum(axis=1)
-    idx = np.lexsort((fill, bott))
-    f = fill[idx]
-    prev = np.concatenate([[np.inf], np.minimum.accumulate(f)[:-1]])
-    idx = idx[f < prev * (1 - 1e-12)]  # strictly less fill than every smaller bottleneck
-    return [
-        Partition(tuple(c), tuple(t))
-        for c, t in zip(counts[idx].tolist(), stage[idx].tolist(), strict=True)
-    ]
+    top = np.max(fixed + _fastest_first(cap, order, layers) * tau, axis=1)
+    least = np.max(fixed + tau, axis=1)
+    thr = np.sort(grid, axis=1)
+    dup = np.zeros(thr.shape, dtype=bool)
+    dup[:, 1:] = thr[:, 1:] == thr[:, :-1]
+    keep = ~dup & (thr >= least[:, None]) & (thr <= top[:, None])
+    # the kept thresholds of each row first, in order; columns no row keeps dropped
+    thr = np.sort(np.where(keep, thr, np.inf), axis=1)[:, : int(keep.sum(axis=1).max())]
+    keep = np.isfinite(thr)
+    eps = 1e-12 * np.maximum(1.0, top)  # the largest threshold kept is ``top`` itself
+    arg = (thr[:, :, None] - fixed[:, None, :] + eps[:, None, None]) / tau[:, None, :]
+    under = np.floor(np.where(keep[:, :, None], arg, 0.0)).astype(np.int64)
+    caps = np.minimum(under, cap[:, None, :])  # (n, T, p)
+    keep &= (caps.min(axis=2) >= 1) & (caps.sum(axis=2) >= layers)
+    t = caps.shape[1]
+    counts = _fastest_first(caps.reshape(n * t, p), np.repeat(order, t, axis=0), layers).reshape(
+        n, t, p
+    )
+    stage = fixed[:, None, :] + counts * tau[:, None, :]
+    bott = np.where(keep, stage.max(axis=2), np.inf)
+    fill = np.where(keep, stage.sum(axis=2), np.inf)
+    idx = np.lexsort((fill, bott), axis=-1)
+    f = np.take_along_axis(fill, idx, axis=1)
+    prev = np.full(f.shape, np.inf)
+    prev[:, 1:] = np.minimum.accumulate(f, axis=1)[:, :-1]
+    good = f < prev * (1 - 1e-12)  # strictly less fill than every smaller bottleneck
+    out = []
+    for r in range(n):
+        sel = idx[r][good[r]]
+        out.append([
+            Partition(tuple(c), tuple(x))
+            for c, x in zip(counts[r, sel].tolist(), stage[r, sel].tolist(), strict=True)
+        ])  # fmt: skip
+    return out
 
 
 def _fastest_first(caps: IntArray, order: IntArray, layers: int) -> IntArray:
-    """Returns per row the layer counts that fill stages in ``order`` up to ``caps``."""
-    extra = caps[:, order] - 1
+    """Returns per row the layer counts that fill stages in ``order`` (one per row) up to
+    ``caps``."""
+    extra = np.take_along_axis(caps, order, axis=1) - 1
     before = np.cumsum(extra, axis=1) - extra
     assigned = np.clip(layers - caps.shape[1] - before, 0, extra)
     counts = np.empty_like(assigned)
-    counts[:, order] = assigned + 1
+    np.put_along_axis(counts, order, assigned + 1, axis=1)
     return counts
 
 

@@ -1,16 +1,19 @@
 """Provisioning: which GPUs to rent and how many, as a time-versus-dollars Pareto front.
 
 Single-type configurations: every node count of every offer, each with its best homogeneous
-plan. Mixes of two types go through the heterogeneous planner. A configuration is skipped
-without planning when lower bounds on its time (all FLOPs at the best compute efficiency
-the cost tables allow for its GPUs) and on its cost (that time at its exact hourly price)
-are already beaten by a point found: it cannot reach the front.
+plan. Mixes of two types (``mixes``): every pair of node counts of every two offers, each
+with its best heterogeneous plan. Both searches rank by ``estimate``. A configuration is
+pruned without planning only when a point already found is at least as fast as its proven
+lower bound on time and at least as cheap as its lower bound on cost (that time at its exact
+hourly price): it cannot reach the front. The bounds (``provision_bounds``) are built from
+the cost model's own per-layer, embedding and head times. Configurations are planned
+closest-to-the-front first, and none is left unexplored: each is planned, pruned, or has no
+possible plan (``ProvisionResult.impossible``).
 """
 
 from __future__ import annotations
 
 import math
-import sys
 import time
 from dataclasses import dataclass, field, replace
 
@@ -20,18 +23,25 @@ from hetplan.cluster import Cluster
 from hetplan.cost.estimate import Estimate
 from hetplan.cost.params import CostParams, default_params
 from hetplan.errors import InputError
-from hetplan.hardware import GPUType
-from hetplan.market import Market, Offer
+from hetplan.market import Market, Offer, pricing_name
 from hetplan.model import ModelSpec
 from hetplan.plan import Plan
 from hetplan.search.constraints import PlanConstraints, homogeneous_space
 from hetplan.search.homogeneous import (
     SearchMemo,
     SearchSpace,
-    divisors,
     search_homogeneous,
 )
-from hetplan.search.spot import SpotTerms, spot_slowdown
+from hetplan.search.progress import ProgressHook, SearchProgress
+from hetplan.search.provision_bounds import TypeFloor, iteration_floor_s, type_floor
+from hetplan.search.spot import (
+    SpotTerms,
+    checkpoint_floor_s,
+    checkpoint_time_s,
+    mixed_load,
+    offer_load,
+    slowdowns,
+)
 
 PROVISION_SPACE = SearchSpace(zero_stages=(1, 2, 3), max_virtual_stages=4)
 """ZeRO-0 is dominated by ZeRO-1 (same traffic, less memory, a sharded optimizer step)."""
@@ -49,6 +59,12 @@ class Point:
     plan: Plan | None = field(default=None, repr=False)
     estimate: Estimate | None = field(default=None, repr=False)
     cluster: Cluster | None = field(default=None, repr=False)
+    bound_s: float = 0.0
+    """The proven lower bound of ``time_to_train_s`` the search held before planning it."""
+    owned: dict[str, int] = field(default_factory=dict)
+    """Owned GPUs the configuration trains on beside the rented ``gpus``."""
+    pricing: str = "on-demand"
+    """How the rented GPUs are paid for: on-demand, reserved or spot (``market.PRICINGS``)."""
 
 
 def pareto_front(points: list[Point]) -> list[Point]:
@@ -58,49 +74,6 @@ def pareto_front(points: list[Point]) -> list[Point]:
         if not front or p.total_cost_usd < front[-1].total_cost_usd * (1 - 1e-9):
             front.append(p)
     return front
-
-
-def best_compute_efficiency(
-    model: ModelSpec,
-    gpu: GPUType,
-    gpus_per_node: int,
-    params: CostParams,
-    precision: str,
-    flash: bool = True,
-) -> float:
-    """Returns the highest fraction of peak any layer or head shape reaches on this GPU.
-
-    Every plan's per-GPU compute takes at least its share of the FLOPs at this efficiency,
-    so it bounds the time of any plan from below.
-    """
-    src = params.compute
-
-    def best_of() -> float:
-        peak = gpu.peak_flops(precision)
-        best = 0.0
-        for tp in divisors(gpus_per_node):
-            for mb in (1, 2, 4, 8, 16, 32):
-                # sequence parallelism only removes work: the faster of the two bounds
-                lt = src.layer(model, gpu, params, tp, mb, precision, flash, tp > 1).times
-                layer_flops = 3 * mb * model.layer_flops() / tp
-                best = max(best, layer_flops / ((lt.forward_s + lt.backward_s) * peak))
-                ht = src.head(model, gpu, params, tp, mb, precision, flash).times
-                head_flops = 3 * mb * model.head_flops() / tp
-                best = max(best, head_flops / ((ht.forward_s + ht.backward_s) * peak))
-        return best
-
-    key = ("best_efficiency", model, gpu, gpus_per_node, params.gpu(gpu.name), precision, flash)
-    return float(src.cached(key, best_of))
-
-
-def _efficiency(
-    model: ModelSpec, offer: Offer, precision: str, params: CostParams, flash: bool
-) -> float:
-    return best_compute_efficiency(model, offer.gpu, offer.gpus_per_node, params, precision, flash)
-
-
-def _flops_to_train(model: ModelSpec, tokens: float) -> float:
-    return tokens / model.seq * model.model_flops_per_sequence()
 
 
 def _dominated(time_s: float, cost: float, points: list[Point]) -> bool:
@@ -124,6 +97,20 @@ class Constraints:
         )
 
 
+@dataclass(frozen=True)
+class Unexplored:
+    """A mix not planned before the time limit, with its proven lower bounds."""
+
+    gpus: dict[str, int]
+    time_bound_s: float
+    cost_bound_usd: float
+
+    def to_json(self) -> dict[str, object]:
+        """Returns the JSON form (GPU counts by type, the bounds)."""
+        return {"gpus": self.gpus, "time_bound_s": self.time_bound_s,
+                "cost_bound_usd": self.cost_bound_usd}  # fmt: skip
+
+
 @dataclass
 class ProvisionResult:
     """Every planned point, the front, the recommendation, and what pruning saved."""
@@ -135,8 +122,19 @@ class ProvisionResult:
     search_time_s: float = 0.0
     recommended: Point | None = None
     reason: str = ""
-    skipped: int = 0
-    """Mix candidates the bounds could not rule out but the plan cap left unexplored."""
+    impossible: int = 0
+    """Configurations with no possible plan, never planned: more GPUs than --max-gpus, a
+    spot run preempted faster than it progresses, or too little memory for the model's
+    weights, gradients and optimizer states."""
+    unexplored: list[Unexplored] = field(default_factory=list)
+    """Mixes left unplanned when the time limit struck (empty without one), fastest bound
+    first: what each could at most reach."""
+    pricing: str = "on-demand"
+    """How every rented GPU was priced (``market.PRICINGS``)."""
+    left_out: list[str] = field(default_factory=list)
+    """Offers left out because they state no price for ``pricing`` (by name)."""
+    owned_choice: str = ""
+    """With owned nodes: which of them the recommendation uses, and why."""
 
 
 @dataclass(frozen=True)
@@ -156,6 +154,23 @@ class _Job:
     """Limits on each configuration's plan (GPU types and counts are the offers' business)."""
     max_gpus: int | None = None
     """No configuration rents more GPUs."""
+    progress: ProgressHook | None = None
+    """Told after each configuration planned (explored: planned and pruned so far)."""
+    done: list[int] = field(default_factory=lambda: [0, 0])
+    """Configurations planned and pruned so far, for ``progress``."""
+    stop_at: float | None = None
+    """``time.monotonic()`` after which no further mix is planned (``--time-limit``)."""
+    pricing: str = "on-demand"
+    """The price every offer is rented at (``market.PRICINGS``); spot also means
+    preemptions (``spot``)."""
+
+    def tick(self, planned: int, pruned: int, best: list[Point]) -> None:
+        """Counts configurations and tells ``progress`` (best: the fastest time to train)."""
+        self.done[0] += planned
+        self.done[1] += pruned
+        if self.progress is not None and planned:
+            fastest = min((p.time_to_train_s for p in best), default=None)
+            self.progress(SearchProgress(sum(self.done), None, fastest))
 
     def unpack(self) -> tuple[ModelSpec, float, int, str, bool, CostParams, SpotTerms, bool, bool]:
         """Returns the fields in declaration order."""
@@ -172,31 +187,43 @@ class _Job:
         )
 
 
+def _floor(job: _Job, offer: Offer) -> TypeFloor:
+    return type_floor(job.model, offer.gpu, offer.gpus_per_node, job.global_batch, job.params,
+                      job.precision, job.flash)  # fmt: skip
+
+
+def _iterations(job: _Job) -> float:
+    return job.tokens / (job.global_batch * job.model.seq)
+
+
 def _single_type(job: _Job, offer: Offer, points: list[Point]) -> tuple[int, int]:
     """Adds the points of every node count of one offer; returns (planned, pruned)."""
     model, tokens, global_batch, precision, spot, params, terms, prune, flash = job.unpack()
     planned = pruned = 0
     memo = SearchMemo()
-    peak = offer.gpu.peak_flops(precision) * _efficiency(model, offer, precision, params, flash)
-    flops = _flops_to_train(model, tokens)
-    price = offer.price(spot)
+    floor = _floor(job, offer)
+    price = offer.price(job.pricing)
     # built once (with the user's memory headroom), sliced per count
-    all_nodes = job.limits.apply_to_cluster(offer.cluster(offer.max_nodes, spot)).nodes
+    all_nodes = job.limits.apply_to_cluster(offer.cluster(offer.max_nodes, job.pricing)).nodes
     space = homogeneous_space(job.limits, PROVISION_SPACE)
     most = offer.max_nodes
     if job.max_gpus is not None:
         most = min(most, job.max_gpus // offer.gpus_per_node)
     for nodes in range(most, 0, -1):
-        slow = spot_slowdown(offer, nodes, terms) if spot else 1.0
+        load = offer_load(offer, nodes, terms)
+        # every plan's checkpoint takes at least the mean node's state: a floor of the slowdown
+        slow = slowdowns(*load, terms, checkpoint_floor_s(model, nodes), True) if spot else 1.0
         if math.isinf(slow):
             continue
         n_gpus = nodes * offer.gpus_per_node
         usd_hour = price * n_gpus
-        t_lb = flops / (peak * n_gpus) * slow
+        it_lb = float(iteration_floor_s(model, global_batch, [floor], [np.array(n_gpus)]))
+        t_lb = _iterations(job) * it_lb * slow
         if prune and _dominated(t_lb, t_lb / 3600 * usd_hour, points):
             pruned += 1
             continue
         planned += 1
+        job.tick(1, 0, points)
         cluster = Cluster(all_nodes[:nodes])
         found = search_homogeneous(model, cluster, global_batch, precision, top_k=1,
                                    params=params, space=space, flash_attention=flash,
@@ -204,6 +231,10 @@ def _single_type(job: _Job, offer: Offer, points: list[Point]) -> tuple[int, int
         if not found.ranked:
             continue
         plan, est = found.ranked[0]
+        if spot:  # the plan's own checkpoint time (its largest node's state)
+            slow = slowdowns(*load, terms, checkpoint_time_s(plan, model))
+            if math.isinf(slow):
+                continue
         t = tokens / est.tokens_per_s * slow
         points.append(
             Point(
@@ -215,13 +246,15 @@ def _single_type(job: _Job, offer: Offer, points: list[Point]) -> tuple[int, int
                 plan=plan,
                 estimate=est,
                 cluster=cluster,
+                bound_s=t_lb,
+                pricing=job.pricing,
             )
         )
     return planned, pruned
 
 
-def _mix_cluster(a: Offer, na: int, b: Offer, nb: int, spot: bool) -> Cluster:
-    return Cluster(a.cluster(na, spot).nodes + b.cluster(nb, spot).nodes)
+def _mix_cluster(a: Offer, na: int, b: Offer, nb: int, pricing: str) -> Cluster:
+    return Cluster(a.cluster(na, pricing).nodes + b.cluster(nb, pricing).nodes)
 
 
 def _front_cost_at(points: list[Point]) -> tuple[np.ndarray, np.ndarray]:
@@ -232,123 +265,156 @@ def _front_cost_at(points: list[Point]) -> tuple[np.ndarray, np.ndarray]:
     return times, costs
 
 
-def _dominated_mask(t_lb: np.ndarray, c_lb: np.ndarray, points: list[Point]) -> np.ndarray:
-    """Returns, per bound pair, whether some point is at least as fast and as cheap."""
+def _front_cost(t_lb: np.ndarray, points: list[Point]) -> np.ndarray:
+    """Returns, per time bound, the least cost of a point at least that fast (inf if none)."""
     if not points:
-        return np.zeros(t_lb.shape, dtype=bool)
+        return np.full(t_lb.shape, np.inf)
     times, costs = _front_cost_at(points)
     idx = np.searchsorted(times, t_lb, side="right") - 1  # fastest-enough points: [0, idx]
-    best = np.where(idx >= 0, costs[np.clip(idx, 0, None)], np.inf)
-    return best <= c_lb
+    return np.where(idx >= 0, costs[np.clip(idx, 0, None)], np.inf)
 
 
-def _mixes(
-    job: _Job, offers: list[Offer], points: list[Point], max_plans: int
-) -> tuple[int, int, int]:
-    """Adds two-type mixes that bounds cannot rule out; returns (planned, pruned, skipped).
+@dataclass
+class _MixGrid:
+    """Every (count, count) configuration of every pair of offers, flattened, with bounds."""
 
-    Bounds are computed for every (count, count) pair of every two offers at once (numpy);
-    survivors are planned closest-to-the-front first (smallest ratio of their cost bound to
-    the cost of the front at their time bound), each re-checked against every point found so
-    far just before planning; past ``max_plans`` the rest are counted as skipped.
-    """
-    from hetplan.search.heterogeneous import search_heterogeneous
+    pair: np.ndarray
+    na: np.ndarray
+    nb: np.ndarray
+    t_lb: np.ndarray
+    c_lb: np.ndarray
+    slow: np.ndarray
+    usd_hour: np.ndarray
 
-    model, tokens, global_batch, precision, spot, params, terms, prune, flash = job.unpack()
 
-    flops = _flops_to_train(model, tokens)
-    rate = {
-        o.name: o.gpu.peak_flops(precision) * _efficiency(model, o, precision, params, flash)
-        for o in offers
-    }
-    pairs: list[tuple[Offer, Offer, np.ndarray, np.ndarray, np.ndarray]] = []
-    pruned = 0
-    times, costs = _front_cost_at(points)
+def _mix_grid(job: _Job, offers: list[Offer]) -> tuple[_MixGrid, list[tuple[Offer, Offer]], int]:
+    """Returns the bounds of every two-offer configuration that could have a plan, the offer
+    pairs, and how many configurations have none (past --max-gpus, a spot run that never
+    finishes, or too little memory for the model's state: the heterogeneous search's own
+    refusal)."""
+    from hetplan.search.heterogeneous import _state_floor_bytes
+
+    model, spot = job.model, job.spot
+    pairs: list[tuple[Offer, Offer]] = []
+    parts: list[tuple[np.ndarray, ...]] = []
+    impossible = 0
+    floor_memo: dict[int, float] = {}
+
+    def state_floor(n: int) -> float:
+        if n not in floor_memo:
+            floor_memo[n] = _state_floor_bytes(model, job.precision, n)
+        return floor_memo[n]
+
+    memory = {o.name: _gpu_memory(job, o) for o in offers}
     for i, a in enumerate(offers):
         for b in offers[i + 1 :]:
+            fa, fb = _floor(job, a), _floor(job, b)
             na = np.arange(1, a.max_nodes + 1)[:, None]
             nb = np.arange(1, b.max_nodes + 1)[None, :]
             ga, gb = na * a.gpus_per_node, nb * b.gpus_per_node
-            usd_hour = a.price(spot) * ga + b.price(spot) * gb
+            usd_hour = a.price(job.pricing) * ga + b.price(job.pricing) * gb
             slow = np.ones(usd_hour.shape)
-            if spot:
-                sa = np.array([spot_slowdown(a, int(n), terms) for n in na[:, 0]])[:, None]
-                sb = np.array([spot_slowdown(b, int(n), terms) for n in nb[0, :]])[None, :]
-                slow = np.maximum(sa, sb) * slow
-            t_lb = flops / (rate[a.name] * ga + rate[b.name] * gb) * slow
-            c_lb = t_lb / 3600 * usd_hour
+            if spot:  # a floor: every plan checkpoints at least the mean node's state
+                la = np.array([offer_load(a, int(n), job.terms) for n in na[:, 0]])
+                lb = np.array([offer_load(b, int(n), job.terms) for n in nb[0, :]])
+                load = mixed_load([(la[:, None, 0], la[:, None, 1]),
+                                   (lb[None, :, 0], lb[None, :, 1])])  # fmt: skip
+                slow = slowdowns(*load, job.terms, checkpoint_floor_s(model, na + nb), True)
+            t_lb = _iterations(job) * iteration_floor_s(model, job.global_batch, [fa, fb],
+                                                        [ga, gb]) * slow  # fmt: skip
+            total = ga + gb
             ok = np.isfinite(t_lb)
             if job.max_gpus is not None:
-                ok &= ga + gb <= job.max_gpus
-            if prune:
-                dom = _dominated_mask(t_lb, c_lb, points) & ok
-                pruned += int(dom.sum())
-                ok &= ~dom
-            pairs.append((a, b, t_lb, c_lb, slow))
-            pairs[-1][2][~ok] = np.inf  # ruled out
-    # exhaustive mode (no pruning) plans every pair of counts
-    cap = max_plans if prune else sys.maxsize
-    # closest to the front first: cost bound over the front's cost at the time bound
-    flat: list[tuple[float, float, float, int, int, int]] = []
-    for pi, (_, _, t_lb, c_lb, _) in enumerate(pairs):
-        live = np.isfinite(t_lb)
-        if not live.any():
-            continue
-        if len(times):
-            k = np.searchsorted(times, t_lb[live], side="right") - 1
-            ratio = np.where(k >= 0, c_lb[live] / costs[np.clip(k, 0, None)], 0.0)
-        else:
-            ratio = np.zeros(int(live.sum()))
-        xs, ys = np.nonzero(live)
-        keep = np.argsort(ratio, kind="stable")[: 4 * cap]
-        flat += [
-            (
-                float(ratio[q]),
-                float(c_lb[xs[q], ys[q]]),
-                float(t_lb[xs[q], ys[q]]),
-                pi,
-                int(xs[q]),
-                int(ys[q]),
-            )
-            for q in keep
-        ]
-    flat.sort()
-    order = flat[: 4 * cap]
-    planned = 0
-    tried: set[tuple[int, int, int]] = set()
-    for _, c_lb_, t_lb_, pi, x, y in order:
-        if planned >= cap:
-            break
-        tried.add((pi, x, y))
-        if prune and _dominated(t_lb_, c_lb_, points):
-            pruned += 1
-            continue
-        a, b, _, _, slow = pairs[pi]
-        na_, nb_ = x + 1, y + 1
+                ok &= total <= job.max_gpus
+            held = ga * memory[a.name] + gb * memory[b.name]
+            sizes, where = np.unique(total[ok], return_inverse=True)  # each GPU count once
+            need = np.array([state_floor(int(n)) for n in sizes])
+            ok[ok] = need[where.ravel()] <= held[ok]
+            impossible += int((~ok).sum())
+            xs, ys = np.nonzero(ok)
+            pairs.append((a, b))
+            parts.append((
+                np.full(xs.shape, len(pairs) - 1), xs + 1, ys + 1, t_lb[xs, ys],
+                t_lb[xs, ys] / 3600 * usd_hour[xs, ys], np.broadcast_to(slow, t_lb.shape)[xs, ys],
+                usd_hour[xs, ys],
+            ))  # fmt: skip
+    cols = [np.concatenate(c) if c else np.zeros(0) for c in zip(*parts, strict=True)]
+    if not cols:
+        cols = [np.zeros(0)] * 7
+    return _MixGrid(*cols), pairs, impossible
+
+
+def _gpu_memory(job: _Job, offer: Offer) -> float:
+    """Returns the memory one GPU of the offer gives the search (after the user's headroom)."""
+    return float(job.limits.apply_to_cluster(offer.cluster(1)).nodes[0].gpu.memory_bytes)
+
+
+def _mixes(
+    job: _Job, offers: list[Offer], points: list[Point]
+) -> tuple[int, int, int, list[Unexplored]]:
+    """Adds every two-type mix that bounds cannot rule out; returns (planned, pruned,
+    impossible, unexplored).
+
+    The bounds of every (count, count) configuration of every two offers are computed at once
+    (numpy). Until none is left, the configurations the points found so far dominate at
+    their bounds are pruned, and the live one closest to the front (smallest ratio of its
+    cost bound to the front's cost at its time bound; beyond the front's fast end first) is
+    planned with the heterogeneous search. Nothing is left unexplored, unless ``job.stop_at``
+    passes (checked before each mix): the live mixes are then returned with their bounds."""
+    from hetplan.search.heterogeneous import search_heterogeneous
+
+    model, tokens, global_batch, precision, spot, params, _, prune, flash = job.unpack()
+    grid, pairs, impossible = _mix_grid(job, offers)
+    live = np.arange(grid.t_lb.size)
+    planned = pruned = 0
+    while live.size:
+        t_lb, c_lb = grid.t_lb[live], grid.c_lb[live]
+        front = _front_cost(t_lb, points)
+        if prune:
+            dom = front <= c_lb
+            pruned += int(dom.sum())
+            live, t_lb, c_lb, front = live[~dom], t_lb[~dom], c_lb[~dom], front[~dom]
+            if not live.size:
+                break
+        if job.stop_at is not None and time.monotonic() >= job.stop_at:
+            order = np.lexsort((grid.c_lb[live], grid.t_lb[live]))
+            left = [_unexplored(grid, pairs, int(q)) for q in live[order]]
+            return planned, pruned, impossible, left
+        with np.errstate(invalid="ignore", divide="ignore"):
+            ratio = np.where(np.isfinite(front), c_lb / front, 0.0)
+        pick = int(np.lexsort((c_lb, ratio))[0])
+        q = int(live[pick])
+        live = np.delete(live, pick)
         planned += 1
-        cluster = job.limits.apply_to_cluster(_mix_cluster(a, na_, b, nb_, spot))
+        job.tick(1, 0, points)
+        a, b = pairs[int(grid.pair[q])]
+        na, nb = int(grid.na[q]), int(grid.nb[q])
+        cluster = job.limits.apply_to_cluster(_mix_cluster(a, na, b, nb, job.pricing))
         res = search_heterogeneous(model, cluster, global_batch, precision, 1, params, flash,
                                    job.limits)  # fmt: skip
         if not res.ranked:
             continue
         plan, est = res.ranked[0]
+        slow = 1.0
+        if spot:  # the plan's own checkpoint time (its largest node's state)
+            load = mixed_load([offer_load(a, na, job.terms), offer_load(b, nb, job.terms)])
+            slow = slowdowns(*load, job.terms, checkpoint_time_s(plan, model))
+            if math.isinf(slow):
+                continue
         # the whole rented cluster is paid for, even GPUs the best plan leaves idle
-        rented = a.price(spot) * na_ * a.gpus_per_node + b.price(spot) * nb_ * b.gpus_per_node
-        t = tokens / est.tokens_per_s * float(slow[x, y])
-        gpus = {a.gpu.name: na_ * a.gpus_per_node, b.gpu.name: nb_ * b.gpus_per_node}
-        points.append(Point(gpus, spot, t, t / 3600 * rented, rented, plan, est, cluster))
-    # what was neither planned nor tried: ruled out by the final points, or skipped
-    skipped = 0
-    for pi, (_, _, t_lb, c_lb, _) in enumerate(pairs):
-        live = np.isfinite(t_lb)
-        left = live.copy()
-        for qi, x, y in tried:
-            if qi == pi:
-                left[x, y] = False
-        dom = _dominated_mask(t_lb, c_lb, points) & left if prune else np.zeros_like(left)
-        pruned += int(dom.sum())
-        skipped += int((left & ~dom).sum())
-    return planned, pruned, skipped
+        rented = float(grid.usd_hour[q])
+        t = tokens / est.tokens_per_s * slow
+        gpus = {a.gpu.name: na * a.gpus_per_node, b.gpu.name: nb * b.gpus_per_node}
+        points.append(Point(gpus, spot, t, t / 3600 * rented, rented, plan, est, cluster,
+                            float(grid.t_lb[q]), pricing=job.pricing))  # fmt: skip
+    return planned, pruned, impossible, []
+
+
+def _unexplored(grid: _MixGrid, pairs: list[tuple[Offer, Offer]], q: int) -> Unexplored:
+    a, b = pairs[int(grid.pair[q])]
+    gpus = {a.gpu.name: int(grid.na[q]) * a.gpus_per_node,
+            b.gpu.name: int(grid.nb[q]) * b.gpus_per_node}  # fmt: skip
+    return Unexplored(gpus, float(grid.t_lb[q]), float(grid.c_lb[q]))
 
 
 def recommend(
@@ -386,6 +452,11 @@ def _within(c: Constraints) -> str:
     return f" within the {', '.join(parts)}" if parts else ""
 
 
+def gpus_label(gpus: dict[str, int]) -> str:
+    """Returns GPU counts as a person reads them: ``64 x A100-80GB + 8 x H100-80GB``."""
+    return " + ".join(f"{n} x {name}" for name, n in gpus.items())
+
+
 def _binding(front: list[Point], c: Constraints) -> str:
     if not front:
         return "no configuration of the market can train this model"
@@ -400,7 +471,7 @@ def _binding(front: list[Point], c: Constraints) -> str:
             return (
                 f"the {name} binds: no configuration meets it; the closest point needs "
                 f"{closest.time_to_train_s / 86400:.2f} days and "
-                f"${closest.total_cost_usd:,.0f} on {closest.gpus}"
+                f"${closest.total_cost_usd:,.0f} on {gpus_label(closest.gpus)}"
             )
     return "no single configuration meets the deadline, budget and hourly cap together"
 
@@ -419,13 +490,27 @@ def provision(
     prune: bool = True,
     flash_attention: bool = True,
     mixes: bool = False,
-    max_mix_plans: int = 64,
     limits: PlanConstraints | None = None,
+    owned: Cluster | None = None,
+    progress: ProgressHook | None = None,
+    time_limit_s: float | None = None,
+    pricing: str | None = None,
 ) -> ProvisionResult:
     """Returns the time/cost front over the market's configurations (single types, and
     two-type mixes with ``mixes``) and the recommended point for ``objective`` (time, cost or
     balanced) under ``constraints``; ``limits`` constrain the plans (as for ``plan``), the
-    GPU types and the number of GPUs rented."""
+    GPU types and the number of GPUs rented. With ``owned`` nodes, every configuration
+    trains on a choice of them (1 to all nodes per type), and the market's offers only add
+    to them (``provision_owned``). With
+    ``time_limit_s``, no mix is planned once that many seconds have passed since the call:
+    the mixes left are in ``ProvisionResult.unexplored`` with their bounds. ``pricing``
+    (on-demand, reserved or spot; default: spot with ``spot``, else on-demand) prices every
+    rented GPU; offers stating no price for it are left out (``ProvisionResult.left_out``)."""
+    pricing = pricing_name(pricing if pricing is not None else spot)
+    if spot and pricing != "spot":
+        raise InputError("--spot", f"spot rental contradicts --pricing {pricing}")
+    spot = pricing == "spot"
+    stop_at = None if time_limit_s is None else time.monotonic() + time_limit_s
     limits = limits or PlanConstraints()
     if limits.flash_attention is not None:
         flash_attention = limits.flash_attention
@@ -442,20 +527,11 @@ def provision(
         o
         for o in market.offers
         if o.gpu.supports(precision)
-        and not (spot and o.spot_usd_per_gpu_hour is None)
+        and o.has_price(pricing)
         and (limits.gpu_types is None or o.gpu.name.lower() in
              {t.lower() for t in limits.gpu_types})
     ]  # fmt: skip
-    # cheapest effective FLOP first: the low-cost end of the front prunes the rest early
-    offers.sort(
-        key=lambda o: (
-            o.price(spot)
-            / (
-                o.gpu.peak_flops(precision)
-                * _efficiency(model, o, precision, params, flash_attention)
-            )
-        )
-    )
+    left_out = [o.name for o in market.offers if not o.has_price(pricing)]
     if limits.gpu_types is not None:
         sold = {o.gpu.name.lower() for o in market.offers}
         for name in limits.gpu_types:
@@ -463,21 +539,36 @@ def provision(
                 raise InputError("--gpu-types", f"the market sells no {name}")
     # GPU types filter the offers and max_gpus caps the counts: the clusters take the rest
     job = _Job(model, tokens, global_batch, precision, spot, params, terms, prune, flash_attention,
-               replace(limits, gpu_types=None, max_gpus=None), limits.max_gpus)  # fmt: skip
+               replace(limits, gpu_types=None, max_gpus=None), limits.max_gpus,
+               progress, stop_at=stop_at, pricing=pricing)  # fmt: skip
+    # cheapest effective FLOP first: the low-cost end of the front prunes the rest early
+    offers.sort(key=lambda o: o.price(pricing) / max(_floor(job, o).rate_flops))
+    impossible = 0
+    left: list[Unexplored] = []
+    if owned is not None:
+        from hetplan.search.provision_owned import explain_owned, owned_first
+
+        planned, pruned = owned_first(job, owned, offers, points)
+        front = pareto_front(points)
+        best, why = recommend(front, objective, constraints)
+        choice = explain_owned(best, points, limits.apply_to_cluster(owned))
+        return ProvisionResult(points, front, planned, pruned, time.process_time() - start,
+                               best, why + choice, 0, pricing=pricing, left_out=left_out,
+                               owned_choice=choice.removeprefix("; "))  # fmt: skip
     for offer in offers:
         a, b = _single_type(job, offer, points)
         planned += a
         pruned += b
-    skipped = 0
     if mixes:
-        a, b, skipped = _mixes(job, offers, points, max_mix_plans)
+        a, b, impossible, left = _mixes(job, offers, points)
         planned += a
         pruned += b
     front = pareto_front(points)  # every point carries its plan and estimate()
     best, why = recommend(front, objective, constraints)
     return ProvisionResult(
-        points, front, planned, pruned, time.process_time() - start, best, why, skipped
-    )
+        points, front, planned, pruned, time.process_time() - start, best, why, impossible, left,
+        pricing, left_out,
+    )  # fmt: skip
 
 
 def provision_single_type(

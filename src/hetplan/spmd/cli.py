@@ -26,7 +26,7 @@ def _parse_kwargs(text: str | None) -> dict[str, int]:
     for part in filter(None, (text or "").split(",")):
         key, _, value = part.partition("=")
         if not value.strip().isdigit():
-            raise InputError("--inputs", f"{part!r} is not NAME=INT (e.g. batch=16,seq=128)")
+            raise InputError("--inputs", f"'{part}' is not NAME=INT (e.g. batch=16,seq=128)")
         out[key.strip()] = int(value)
     return out
 
@@ -50,15 +50,23 @@ def plan_module(
 @app.command()
 def plan(
     module: str = typer.Option(..., "--module", help="pkg.mod:factory"),
-    cluster: str = typer.Option(..., "--cluster"),
+    cluster: str = typer.Option(
+        ..., "--cluster", "-c", help="Cluster YAML, or inline 'A100-80GB:4x8,T4:1x4'"
+    ),
     inputs: str | None = typer.Option(
         None, "--inputs", help="factory arguments, e.g. batch=16,seq=128"
     ),
-    precision: str = typer.Option("fp16", "--precision", help="fp32, tf32, bf16 or fp16"),
-    as_json: bool = typer.Option(False, "--json"),
+    precision: str | None = typer.Option(
+        None,
+        "--precision",
+        help="fp32, tf32, bf16 or fp16 (default: bf16 where every GPU supports it, else fp16)",
+    ),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object"),
 ) -> None:
     """Synthesise a program and print it with ratios and DP-EV / DP-CP baselines."""
-    result = plan_module(module, cluster, inputs, precision)
+    from hetplan.cli import _precision
+
+    result = plan_module(module, cluster, inputs, _precision(load_cluster(cluster), precision))
     if as_json:
         print(json.dumps(result.to_dict()))
         return
@@ -82,11 +90,15 @@ def plan(
 
 @app.command()
 def run(
-    module: str = typer.Option(..., "--module"),
-    cluster: str = typer.Option(..., "--cluster"),
-    inputs: str | None = typer.Option(None, "--inputs"),
+    module: str = typer.Option(..., "--module", help="pkg.mod:factory"),
+    cluster: str = typer.Option(
+        ..., "--cluster", "-c", help="Cluster YAML, or inline 'A100-80GB:4x8,T4:1x4'"
+    ),
+    inputs: str | None = typer.Option(
+        None, "--inputs", help="factory arguments, e.g. batch=16,seq=128"
+    ),
     nproc: int = typer.Option(0, "--nproc", help="ranks (default: cluster devices)"),
-    steps: int = typer.Option(5, "--steps"),
+    steps: int = typer.Option(5, "--steps", help="Training steps to time"),
     threads: str = typer.Option("", "--threads", help="CPU threads per rank, e.g. 2,1"),
     duty: str = typer.Option(
         "", "--duty", help="CPU duty cycle per rank, e.g. 1,0.5 (SIGSTOP/SIGCONT throttling)"
@@ -116,6 +128,6 @@ def run(
     if duty:
         cmd += ["--duty", duty]
     if program not in ("synth", "dp-ev", "dp-cp"):
-        raise InputError("--program", f"{program!r} is not synth, dp-ev or dp-cp")
+        raise InputError("--program", f"'{program}' is not synth, dp-ev or dp-cp")
     cmd += ["--program", program]
     raise typer.Exit(subprocess.call(cmd))

@@ -85,7 +85,7 @@ class Converter:
                     c = (
                         self.devs.allgather(t.bytes, form)
                         if kind == "reduce_scatter"
-                        else self.devs.alltoall(t.bytes, form)
+                        else self.devs.alltoall(t.bytes, form, self.b)
                     )
                     add([Instr(kind, t.name, want, src=h, form=form, cost=c.scaled(k))], [want])
         elif want.kind == "P":

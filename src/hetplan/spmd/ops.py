@@ -43,6 +43,10 @@ class OpSpec:
     flops: float = 0.0
     local: str = "same"
     """How a rank runs it: 'same', 'reshape', 'expand', 'mean', 'loss_sum', 'embedding'."""
+    gemms: tuple[tuple[str, str, str, str], ...] = ()
+    """Its matmuls as (batch, m, k, n) letter groups (the cost model's matmul shapes)."""
+    attention: tuple[str, str, str, str, str] | None = None
+    """A fused attention's (batch, query, key, head, value) letter groups."""
 
 
 class Unsupported(Exception):
@@ -187,6 +191,7 @@ def _linear(c: Call) -> OpSpec:
         linear_slots=slots,
         bias=b if isinstance(b, Ref) else None,
         flops=flops,
+        gemms=(("", batch, "y", "z"),),
     )
 
 
@@ -214,6 +219,7 @@ def _matmul(c: Call) -> OpSpec:
         contract=frozenset("y"),
         linear_slots=[{id(a)}, {id(b)}],
         flops=flops,
+        gemms=((batch, "x", "y", "z"),),
     )
 
 
@@ -231,6 +237,15 @@ def _einsum(c: Call) -> OpSpec:
         sizes.update(zip(t, c.shape(r), strict=True))
     contract = frozenset(set("".join(terms)) - set(out))
     flops = 2.0 * _numel(list(sizes.values()))
+    gemms: tuple[tuple[str, str, str, str], ...] = ()
+    if len(terms) == 2:  # batch: in both and kept; m, n: in one and kept; k: summed
+        first, second = terms
+        letters = "".join(dict.fromkeys(first + second))
+        batch = "".join(x for x in letters if x in first and x in second and x in out)
+        m = "".join(x for x in letters if x in first and x not in second and x in out)
+        n = "".join(x for x in letters if x in second and x not in first and x in out)
+        k = "".join(x for x in letters if x not in out)
+        gemms = ((batch, m, k, n),)
     return c.spec(
         "einsum",
         {id(r): t for t, r in zip(terms, ops, strict=True)},
@@ -238,6 +253,7 @@ def _einsum(c: Call) -> OpSpec:
         contract=contract,
         linear_slots=[{id(r)} for r in ops],
         flops=flops,
+        gemms=gemms,
     )
 
 
@@ -344,7 +360,14 @@ def _attention(c: Call) -> OpSpec:
         )
     L, S, D = c.shape(q)[-2], c.shape(k)[-2], c.shape(q)[-1]
     flops = 4.0 * _numel(c.shape(q)[:-2]) * L * S * D
-    return c.spec("attention", letters, batch + "LE", fixed=frozenset(fixed), flops=flops)
+    return c.spec(
+        "attention",
+        letters,
+        batch + "LE",
+        fixed=frozenset(fixed),
+        flops=flops,
+        attention=(batch, "L", "S", "D", "E"),
+    )
 
 
 def _topk(c: Call) -> OpSpec:
@@ -475,6 +498,7 @@ def _conv2d(c: Call) -> OpSpec:
         linear_slots=slots,
         bias=b if isinstance(b, Ref) else None,
         flops=flops,
+        gemms=(("", "bHW", "cKL", "o"),),
     )
 
 

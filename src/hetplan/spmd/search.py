@@ -135,7 +135,9 @@ def astar(
 def search(
     space: Space, on_expand: Callable[[int, State, float, float], None] | None = None
 ) -> SearchResult:
-    """Returns the optimal program: by segments when layers repeat, else A* (greedy bound).
+    """Returns the optimal program: by segments when layers repeat, else A* (greedy bound);
+    under a memory limit, if A* finds nothing that fits, A* again with states merged only
+    when dominated in both time and memory.
 
     ``on_expand`` (called on every A* expansion) forces A*.
     """
@@ -145,7 +147,15 @@ def search(
         res = segment_search(space)
         if res is not None:
             return res
-    return astar(space, greedy(space), on_expand)
+    try:
+        return astar(space, greedy(space), on_expand)
+    except ValueError:
+        # merging states by time alone can keep only a path that later overflows memory:
+        # search again keeping every state not dominated in both time and memory
+        if space.capacity is None or space.exact_memory:
+            raise
+        space.use_exact_memory()
+        return astar(space, greedy(space), on_expand)
 
 
 def exhaustive(

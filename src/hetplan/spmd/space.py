@@ -19,7 +19,7 @@ import numpy as np
 
 from hetplan.spmd.capture import Captured, GNode
 from hetplan.spmd.convert import Converter
-from hetplan.spmd.costmodel import OPTIMIZER_STATE_FACTOR, Cost, Devices
+from hetplan.spmd.costmodel import Cost, Devices, param_state_factor
 from hetplan.spmd.layout import PARTIAL, REPLICATED, SFB, Layout, shard
 from hetplan.spmd.program import Instr
 from hetplan.spmd.rules import (
@@ -31,6 +31,7 @@ from hetplan.spmd.rules import (
     sfb_eligible,
     source_rules,
 )
+from hetplan.spmd.work import op_work, sharded_letter
 
 State = tuple[tuple[str, frozenset[Layout]], ...]
 SOURCES = ("input", "param", "const")
@@ -84,6 +85,7 @@ class Space(Converter):
         exact_memory: bool = False,
     ) -> None:
         super().__init__(devs, ratios)
+        self._cost_memo: dict[tuple[str, Rule], Cost] = {}
         self.exact_memory = exact_memory
         """Merge duplicate states only when dominated in time and memory (slower)."""
         self.cap, self.restrict = cap, restrict
@@ -125,19 +127,34 @@ class Space(Converter):
         pairs = {(float(b), float(c)) for b, c in zip(self.b, devs.capacity_bytes, strict=True)}
         self._cap_pairs = sorted(pairs)
 
+    def use_exact_memory(self) -> None:
+        """Switches to merging duplicate states only when dominated in time and memory."""
+        self.exact_memory = True
+        self._memo.clear()
+
     # -- costs ----------------------------------------------------------------------------
 
     def compute_cost(self, node: GNode, rule: Rule) -> Cost:
-        """Returns the forward+backward compute cost of ``node`` under ``rule``."""
-        flops = node.spec.flops if node.spec is not None else 0.0
-        moved = float(node.bytes + sum(self.cap.node(t).bytes for t in node.inputs))
+        """Returns the forward+backward compute cost of ``node`` under ``rule``, priced by
+        the cost model's blocks (``Devices.op_cost``) at this space's ratios.
+
+        Under a sufficient-factor rule the sharded part is the forward and the input
+        gradient; the weight gradient is rebuilt whole on every rank from the gathered
+        factors (one matmul of the full shape)."""
+        key = (node.name, rule)
+        hit = self._cost_memo.get(key)
+        if hit is not None:
+            return hit
+        letter = sharded_letter(node, rule)
         if rule.note == "sfb":
-            x_grad = float(self.cap.node(node.inputs[0]).requires_grad)
-            part = self.devs.compute(flops * (1 + x_grad), moved * (1 + x_grad), True)
-            whole = self.devs.compute(flops, moved, False)
-            return Cost(part.const_s + whole.const_s, 0.0, part.shard_s)
-        k = 1.0 + sum(self.cap.node(t).requires_grad for t in node.inputs)
-        return self.devs.compute(flops * k, moved * k, rule.sharded)
+            x_grad = int(self.cap.node(node.inputs[0]).requires_grad)
+            part = self.devs.op_cost(op_work(node, self.cap, x_grad), letter, True, self.b)
+            whole = self.devs.op_cost(op_work(node, self.cap, 0), None, False, self.b)
+            out = Cost(part.const_s + whole.const_s, 0.0, part.shard_s)
+        else:
+            out = self.devs.op_cost(op_work(node, self.cap), letter, rule.sharded, self.b)
+        self._cost_memo[key] = out
+        return out
 
     def intrinsic(self, i: int, rule: Rule) -> float:
         """Returns a lower bound of any step's cost under ``rule`` (the heuristic's term)."""
@@ -194,7 +211,7 @@ class Space(Converter):
     def place(self, t: GNode, want: Layout) -> list[Variant]:
         """Returns the ways to store source ``t`` and make it available as ``want``."""
         out: list[Variant] = []
-        factor = OPTIMIZER_STATE_FACTOR if t.op == "param" else 1.0
+        factor = param_state_factor(t.itemsize) if t.op == "param" else 1.0
         for store in self._storages(t, want):
             if not self.valid_shard(t, store):
                 continue
@@ -275,7 +292,7 @@ class Space(Converter):
                     cost=self.devs.allreduce(node.bytes),
                 )
             )
-        factor = OPTIMIZER_STATE_FACTOR if node.op == "param" else 1.0
+        factor = param_state_factor(node.itemsize) if node.op == "param" else 1.0
         rep, shd = self._mem(node, lay, factor)
         return Step(
             tuple(instrs),

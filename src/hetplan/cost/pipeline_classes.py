@@ -1,0 +1,73 @@
+"""Which pipelines of a plan estimate() may cost once: identical stages on identical hardware.
+
+Two pipelines get identical stage times, transfers, memory, replay and gradient-sync ends
+when they have the same batch share; stage by stage the same fields but the devices, on
+nodes with the same GPU type, links and price, the same number of the node's devices
+talking across nodes, the same neighbour relation (the next stage on the same node or
+another); and, stage by stage, the same data-parallel group (the same layer segments held
+with the same replicas, so the same reductions and the same ZeRO group). Everything
+estimate() computes for a stage is a function of these, so the first pipeline of each
+class stands for all of its class.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import fields
+from typing import Any
+
+from hetplan.cluster import Node
+from hetplan.plan import Plan, Stage
+
+
+def _stage_fields() -> tuple[str, ...]:
+    return tuple(f.name for f in fields(Stage) if f.name != "devices")
+
+
+def node_key(node: Node) -> tuple[Any, ...]:
+    """Returns what the cost model reads of a node besides its name."""
+    return (
+        node.gpu.name,
+        node.gpus,
+        node.intra_node_bytes_per_s,
+        node.network_bytes_per_s,
+        node.usd_per_gpu_hour,
+    )
+
+
+def pipeline_classes(
+    plan: Plan,
+    node_of: Callable[[str], Node],
+    talkers: dict[str, int],
+    dp_group: dict[tuple[int, int], Any],
+) -> list[int]:
+    """Returns, per pipeline, the index of the first pipeline identical to it for the cost
+    model (itself when it is the first of its class).
+
+    ``talkers``: per node, its devices exchanging pipeline transfers across nodes;
+    ``dp_group``: per (pipeline, stage), an object standing for its data-parallel group
+    (compared by identity: the sync layout shares one per group)."""
+    names = _stage_fields()
+    first_of: dict[tuple[Any, ...], int] = {}
+    out: list[int] = []
+    for r, pipe in enumerate(plan.pipelines):
+        stages = pipe.stages
+        nodes = [node_of(st.devices[0]) for st in stages]
+        sig: list[Any] = [pipe.batch_size]
+        for j, (st, node) in enumerate(zip(stages, nodes, strict=True)):
+            nxt = nodes[(j + 1) % len(nodes)]
+            group = dp_group.get((r, j))
+            sig.append(
+                (
+                    tuple(getattr(st, n) for n in names),
+                    st.tp,
+                    node_key(node),
+                    talkers.get(node.name, 0),
+                    nxt.name == node.name,
+                    talkers.get(nxt.name, 0),
+                    None if group is None else id(group),
+                )
+            )
+        key = tuple(sig)
+        out.append(first_of.setdefault(key, r))
+    return out

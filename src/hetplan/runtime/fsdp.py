@@ -1,0 +1,79 @@
+"""ZeRO-3: each transformer layer sharded with ``torch.distributed.fsdp.fully_shard`` over the
+ranks that hold it (its sync group: the same layer at the same tensor-parallel index in
+every replica). FSDP gathers a layer's parameters before its forward and backward and
+reduce-scatters its gradients, micro-batch by micro-batch, summing (not averaging): every
+micro-batch loss is already scaled by its share of the global batch.
+
+The embedding and head stay whole (their optimizer state is sharded as ZeRO-1/2, see
+``optim.py``): a tied token table is held by the first and the last stage, which run at
+different times of the pipeline step, so gathering it across them would deadlock.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
+
+from hetplan.runtime.layout import SyncGroup, layer_unit
+
+
+class GlooReduceScatter(DefaultReduceScatter):
+    """Reduce-scatter for gloo, which has none: all-reduce, keep this rank's part."""
+
+    def __call__(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        op: Any,
+        async_op: bool = False,
+    ) -> Any:
+        dist.all_reduce(input_tensor, op=op, group=group)
+        n, i = output_tensor.numel(), dist.get_rank(group)
+        flat = input_tensor.reshape(-1)[i * n : (i + 1) * n]
+        output_tensor.copy_(flat.view_as(output_tensor))
+        return None
+
+
+def shard_layers(
+    modules: list[nn.Module], sync: list[tuple[SyncGroup, Any]], device: torch.device
+) -> list[str]:
+    """Applies fully_shard to every layer of ``modules`` held by more than one rank; returns
+    the sharded units."""
+    by_unit = {u: pg for sg, pg in sync if sg.sharded for u in sg.units}
+    meshes: dict[int, DeviceMesh] = {}
+    done: list[str] = []
+    for m in modules:
+        layers: Any = getattr(m, "layers", {})
+        for name, block in layers.items():
+            unit = layer_unit(int(name))
+            pg = by_unit.get(unit)
+            if pg is None:
+                continue
+            mesh = meshes.get(id(pg))
+            if mesh is None:
+                mesh = meshes[id(pg)] = DeviceMesh.from_group(pg, device.type)
+            shard_block(block, pg, device, mesh)
+            done.append(unit)
+    return done
+
+
+def shard_block(block: nn.Module, pg: Any, device: torch.device, mesh: Any = None) -> None:
+    """Shards one layer over ``pg`` as ZeRO-3 runs it (the profile times the same)."""
+    mesh = mesh or DeviceMesh.from_group(pg, device.type)
+    fully_shard(block, mesh=mesh, reshard_after_forward=True)
+    block.set_gradient_divide_factor(1.0)  # type: ignore[operator]
+    block.set_force_sum_reduction_for_comms(True)  # type: ignore[operator]
+    if dist.get_backend(pg) == "gloo":
+        block.set_custom_reduce_scatter(GlooReduceScatter())  # type: ignore[operator]
+
+
+def is_sharded(t: torch.Tensor) -> bool:
+    """Returns whether ``t`` is a DTensor (an FSDP-sharded parameter or state)."""
+    return hasattr(t, "device_mesh") and hasattr(t, "to_local")

@@ -1,0 +1,75 @@
+"""What the runtime can run: each plan field either honoured or refused here, before any
+process starts, with one line naming the field (no torch needed for the plan checks)."""
+
+from __future__ import annotations
+
+from hetplan.errors import InputError
+from hetplan.model import ModelSpec
+from hetplan.plan import PRECISIONS, RECOMPUTE, Plan
+from hetplan.runtime.layout import RuntimeLayout
+
+
+def resolve_device(name: str) -> str:
+    """Returns 'cpu' or 'cuda' for the --device option (auto: cuda where available)."""
+    if name not in ("auto", "cpu", "cuda"):
+        raise InputError("--device", f"{name}: use auto, cpu or cuda")
+    if name == "cpu":
+        return "cpu"
+    import torch
+
+    if torch.cuda.is_available():
+        return "cuda"
+    if name == "cuda":
+        raise InputError("--device", "cuda was asked for, but CUDA is not available here")
+    return "cpu"
+
+
+def check_plan_support(plan: Plan, model: ModelSpec, layout: RuntimeLayout, device: str) -> None:
+    """Raises InputError for a plan field this runtime cannot honour on ``device``."""
+    if plan.precision not in PRECISIONS:
+        raise InputError("precision", f"{plan.precision}: use one of {', '.join(PRECISIONS)}")
+    if plan.precision == "bf16" and device == "cuda":
+        import torch
+
+        if not torch.cuda.is_bf16_supported():
+            raise InputError("precision", "bf16: this GPU has no bfloat16 support; use fp16")
+    if plan.recompute not in RECOMPUTE:
+        raise InputError("recompute", f"{plan.recompute}: use one of {', '.join(RECOMPUTE)}")
+    if plan.zero_stage not in (0, 1, 2, 3):
+        raise InputError("zero_stage", f"{plan.zero_stage}: use 0, 1, 2 or 3")
+    if plan.zero_stage > 0:
+        for g in layout.sync_groups:
+            if not g.sharded:
+                tps = sorted({layout.places[r].tp for r in g.ranks})
+                raise InputError(
+                    "zero_stage",
+                    f"{plan.zero_stage} shards state among replicas of one tensor-parallel "
+                    f"degree; {g.units[0]} is held at degrees {tps}",
+                )
+    if plan.zero_stage == 3 and not plan.is_uniform():
+        raise InputError(
+            "zero_stage",
+            "3 gathers each layer per micro-batch across replicas, so the runtime needs "
+            "replicas with equal stages and batch shares (use 1 or 2 for this plan)",
+        )
+    if plan.sequence_parallel:
+        for i, pipe in enumerate(plan.pipelines):
+            tp = pipe.stages[0].tp
+            if model.seq % tp:
+                raise InputError(
+                    "sequence_parallel",
+                    f"pipelines[{i}] has tensor-parallel degree {tp}, which does not divide "
+                    f"the sequence length {model.seq}",
+                )
+
+
+def check_run_options(dropout: float, grad_clip: float, weight_decay: float, keep: int) -> None:
+    """Raises InputError for a training option out of range."""
+    if not 0.0 <= dropout < 1.0:
+        raise InputError("--dropout", f"{dropout} is not in [0, 1)")
+    if grad_clip < 0:
+        raise InputError("--grad-clip", f"{grad_clip} is negative (0 turns clipping off)")
+    if weight_decay < 0:
+        raise InputError("--weight-decay", f"{weight_decay} is negative")
+    if keep < 0:
+        raise InputError("--keep", f"{keep} is negative (0 keeps every checkpoint)")

@@ -1,0 +1,1 @@
+"""Spot-market replays: availability traces, policies side by side (``hetplan spot``)."""

@@ -1,0 +1,230 @@
+"""The training loop a user keeps: pruned checkpoints, measured figures, a killed run that
+says why on one line and resumes, refused batch changes and bad options."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from hetplan.errors import InputError
+from hetplan.runtime import checkpoint as ckpt
+from hetplan.runtime.config import RunConfig
+from hetplan.runtime.launch import _env, preflight, run_local
+
+ASYM = [(2, [(4, [0])]), (6, [(1, [1]), (3, [2])])]
+# tiny GPT (hidden 32, 4 layers, vocab 64, 16 positions, tied head): parameters by hand
+LAYER = 12 * 32 * 32 + 13 * 32  # QKV/out/MLP weights and biases, two LayerNorms
+GPT_PARAMS = 4 * LAYER + 64 * 32 + 16 * 32 + 2 * 32  # + tokens, positions, final norm
+
+
+def _cfg(plan: Path, inputs: dict[str, Path], root: Path, **kw: Any) -> RunConfig:
+    return RunConfig(
+        plan=str(plan),
+        model=str(inputs["gpt"]),
+        cluster=str(inputs["cluster"]),
+        checkpoint_dir=str(root),
+        **kw,
+    )
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    cmd = [sys.executable, "-m", "hetplan", *args]
+    return subprocess.run(cmd, env=_env(1), capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.distributed
+def test_keep_two_and_measured_figures(
+    tmp_path: Path, inputs: dict[str, Path], write_plan: Any
+) -> None:
+    plan = write_plan(tmp_path / "p.json", ASYM)
+    root = tmp_path / "ckpt"
+    record = run_local(_cfg(plan, inputs, root, steps=4, checkpoint_every=1, keep=2))
+    assert [s for s, _ in ckpt.step_dirs(root)] == [3, 4]
+    assert ckpt.read_manifest(root).global_batch == 8
+    for s in record["steps"]:
+        assert s["tokens_per_s"] == pytest.approx(8 * 16 / s["time_s"])
+    peaks = record["peak_memory_bytes"]
+    assert set(peaks) == {"host:0", "host:1", "host:2"}
+    # host:0 holds the whole model: fp32 weights, gradients and two AdamW moments, plus
+    # the activations its 1F1B schedule keeps
+    assert peaks["host:0"] > 16 * GPT_PARAMS
+    # host:1 holds one layer and the embedding: far less
+    assert peaks["host:1"] < peaks["host:0"] / 2
+    # resuming under a plan with another global batch: exit 2, one line naming the field
+    bigger = write_plan(tmp_path / "b.json", [(4, [(4, [0])]), (8, [(1, [1]), (3, [2])])])
+    args = ["launch", str(bigger), "--model", str(inputs["gpt"]), "--cluster"]
+    res = _cli(*args, str(inputs["cluster"]), "--checkpoint-dir", str(root), "--resume")
+    assert res.returncode == 2
+    assert res.stderr.strip().count("\n") == 0 and "global_batch_size" in res.stderr
+    assert "trained with 8" in res.stderr and "Traceback" not in res.stderr
+
+
+def test_resume_with_another_global_batch_exits_2(
+    tmp_path: Path, inputs: dict[str, Path], write_plan: Any
+) -> None:
+    root = tmp_path / "ckpt"
+    root.mkdir()
+    (root / "step_00000002").mkdir()
+    manifest = {
+        "format": 1,
+        "step": 2,
+        "data_position": 16,
+        "seed": 0,
+        "global_batch": 8,
+        "model": {},
+        "files": {},
+    }
+    (root / "step_00000002" / ckpt.MANIFEST).write_text(json.dumps(manifest))
+    (root / ckpt.LATEST).write_text("step_00000002\n")
+    man = ckpt.read_manifest(root)
+    with pytest.raises(InputError, match="global_batch_size: the plan has 12"):
+        ckpt.check_batch(man, 12, allow_change=False)
+    ckpt.check_batch(man, 12, allow_change=True)
+    ckpt.check_batch(man, 8, allow_change=False)
+
+
+def test_option_and_plan_refusals_name_the_field(
+    tmp_path: Path, inputs: dict[str, Path], write_plan: Any
+) -> None:
+    plan = write_plan(tmp_path / "p.json", ASYM)
+    with pytest.raises(InputError, match="--dropout"):
+        preflight(_cfg(plan, inputs, tmp_path / "c", dropout=1.5))
+    zero3 = write_plan(tmp_path / "z.json", ASYM, zero_stage=3)
+    with pytest.raises(InputError, match=r"zero_stage: 3 .* equal stages and batch shares"):
+        preflight(_cfg(zero3, inputs, tmp_path / "c"))
+    mixed = write_plan(tmp_path / "m.json", [(4, [(4, [0, 1])]), (4, [(4, [2])])], zero_stage=1)
+    with pytest.raises(InputError, match=r"zero_stage: 1 .* degrees \[1, 2\]"):
+        preflight(_cfg(mixed, inputs, tmp_path / "c"))
+    sp = write_plan(tmp_path / "s.json", [(8, [(4, [0, 1, 2])])], sequence_parallel=True)
+    with pytest.raises(InputError):  # tp 3 divides neither the heads nor the sequence
+        preflight(_cfg(sp, inputs, tmp_path / "c"))
+
+
+def _workers(parent: int) -> list[int]:
+    """Returns the pids of the worker processes under ``parent`` (the launcher)."""
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                stat = (d / "stat").read_text()
+                cmdline = (d / "cmdline").read_bytes()
+            except OSError:
+                continue
+            if b"hetplan.runtime.worker" in cmdline and b"torch.distributed.run" not in cmdline:
+                ppid = int(stat.rsplit(")", 1)[1].split()[1])
+                if ppid != parent:
+                    out.append(int(d.name))
+    return out
+
+
+@pytest.mark.distributed
+def test_worker_killed_mid_save_exits_with_cause_and_resumes(
+    tmp_path: Path, inputs: dict[str, Path], write_plan: Any
+) -> None:
+    plan = write_plan(tmp_path / "p.json", [(4, [(2, [0]), (2, [1])])])
+    root = tmp_path / "ckpt"
+    base = [
+        "launch", str(plan), "--model", str(inputs["gpt"]), "--cluster", str(inputs["cluster"]),
+        "--checkpoint-dir", str(root), "--checkpoint-every", "1",
+    ]  # fmt: skip
+    cmd = [sys.executable, "-m", "hetplan", *base, "--steps", "100000", "--json"]
+    proc = subprocess.Popen(cmd, env=_env(1), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 600  # generous: a loaded 2-core machine starts slowly
+    stopped: list[int] = []
+    while not stopped:
+        assert proc.poll() is None and time.monotonic() < deadline, "run ended early"
+        if any(root.glob(".staging-*")) and ckpt.step_dirs(root):
+            pids = [p for p in _workers(proc.pid)]
+            for p in pids:  # freeze the ranks mid-save
+                os.kill(p, signal.SIGSTOP)
+            if any(root.glob(".staging-*")) and len(pids) == 2:
+                stopped = pids
+            else:
+                for p in pids:
+                    os.kill(p, signal.SIGCONT)
+        time.sleep(0.001)
+    os.kill(stopped[0], signal.SIGKILL)
+    for p in stopped[1:]:
+        os.kill(p, signal.SIGCONT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 1
+    lines = [ln for ln in err.decode().splitlines() if ln.startswith("training failed")]
+    assert len(lines) == 1 and "killed by SIGKILL" in lines[0], err.decode()[-2000:]
+    assert out == b""
+    staged = list(root.glob(".staging-*"))
+    assert staged
+    done = ckpt.read_manifest(root).step
+    # the next start resumes from the last complete step and cleans the staging folder
+    res = _cli(*base, "--steps", str(done + 2), "--resume", "--json")
+    assert res.returncode == 0, res.stderr[-2000:]
+    record = json.loads(res.stdout)
+    assert [s["step"] for s in record["steps"]] == [done + 1, done + 2]
+    assert not any(p.exists() for p in staged if p.name != f".staging-step_{done + 1:08d}")
+    assert not any(root.glob(".staging-*"))
+
+
+def test_token_files_checked_and_read(tmp_path: Path) -> None:
+    import numpy as np
+
+    from hetplan.runtime.config import check_data_file
+    from hetplan.runtime.data import TokenSource
+
+    vocab, seq, batch = 64, 16, 8
+    ids = (np.arange(batch * seq + 1) * 7 % vocab).astype(np.uint16)
+    good = tmp_path / "train.bin"
+    ids.tofile(good)
+    check_data_file(good, vocab, seq, batch)
+    first = TokenSource(vocab, seq, 0, good).sequence(0)
+    assert first.tolist() == [i * 7 % vocab for i in range(seq + 1)]
+    odd = tmp_path / "odd.bin"
+    odd.write_bytes(good.read_bytes()[:-1])
+    with pytest.raises(InputError, match="not a whole number of uint16 token ids"):
+        check_data_file(odd, vocab, seq, batch)
+    big = tmp_path / "big.bin"
+    np.concatenate([ids, np.array([vocab], dtype=np.uint16)]).tofile(big)
+    with pytest.raises(InputError, match="token id 64, beyond the vocabulary of 64"):
+        check_data_file(big, vocab, seq, batch)
+    short = tmp_path / "short.bin"
+    ids[: batch * seq].tofile(short)
+    with pytest.raises(InputError, match=r"fewer than one global batch \(8 x 16 \+ 1 = 129\)"):
+        check_data_file(short, vocab, seq, batch)
+
+
+def test_learning_rate_schedule_by_hand() -> None:
+    from hetplan.runtime.optim_config import OptimConfig, clip_coefficient, lr_at
+
+    cfg = OptimConfig(lr=1.0, warmup_steps=4, decay_steps=8, min_lr_ratio=0.0)
+    # warm-up 1/4 .. 4/4, then cos: step 6 is halfway (0.5), step 8 the end (0), then 0
+    got = [lr_at(s, cfg) for s in (1, 2, 4, 6, 8, 9)]
+    assert got == pytest.approx([0.25, 0.5, 1.0, 0.5, 0.0, 0.0], abs=1e-12)
+    assert clip_coefficient(4.0, 1.0) == pytest.approx(0.25, rel=1e-6)
+    assert clip_coefficient(0.5, 1.0) == 1.0
+
+
+def test_data_convert_bytes_and_refusals(tmp_path: Path) -> None:
+    import importlib.util
+
+    import numpy as np
+
+    text = tmp_path / "t.txt"
+    text.write_text("héllo\nworld\n")
+    res = _cli("data", "convert", str(text), "--out", str(tmp_path / "t.bin"), "--json")
+    assert res.returncode == 0, res.stderr
+    assert json.loads(res.stdout)["tokens"] == len("héllo\nworld\n".encode())
+    ids = np.fromfile(tmp_path / "t.bin", dtype="<u2")
+    assert bytes(ids.astype(np.uint8)) == "héllo\nworld\n".encode()
+    bad = _cli("data", "convert", str(text), "--out", str(tmp_path / "t.txt2"))
+    assert bad.returncode == 2 and "--out" in bad.stderr and bad.stderr.count("\n") == 1
+    if importlib.util.find_spec("tokenizers") is None:
+        res = _cli("data", "convert", str(text), "--out", str(tmp_path / "u.bin"),
+                   "--tokenizer", str(text))  # fmt: skip
+        assert res.returncode == 2 and "'tokenizers' package" in res.stderr
+        assert not (tmp_path / "u.bin").exists()

@@ -1,0 +1,51 @@
+"""The measured peak of a rank is its weights, gradients and AdamW state plus the activations
+its schedule keeps: for a one-stage 1F1B replica, one micro-batch's. (torch's pipelining,
+left to infer stage shapes, kept a whole extra micro-batch of activations alive.)"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch.nn import functional as F
+
+from hetplan.model import load_model
+from hetplan.runtime.config import RunConfig
+from hetplan.runtime.launch import run_local
+from hetplan.runtime.model_torch import full_model
+
+
+def _saved_bytes(model: torch.nn.Module, tokens: torch.Tensor) -> int:
+    """Bytes autograd keeps for one forward of ``tokens`` (each storage once, the
+    parameters, which every layer saves for its backward, left out)."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in params:
+            seen[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        logits = model(tokens)
+        F.cross_entropy(logits.flatten(0, 1), tokens.flatten())
+    return sum(seen.values())
+
+
+@pytest.mark.distributed
+def test_one_stage_peak_is_one_micro_batch(
+    tmp_path: Path, inputs: dict[str, Path], write_plan: Any
+) -> None:
+    spec = load_model(str(inputs["gpt"]))
+    model = full_model(spec, 0)
+    n_params = sum(p.numel() for p in model.parameters())  # the tied table once
+    static = 4 * n_params * 4  # fp32 weights, gradients, two AdamW moments
+    one_mb = _saved_bytes(model, torch.randint(0, spec.vocab, (2, spec.seq)))
+    plan = write_plan(tmp_path / "p.json", [(4, [(4, [0])]), (4, [(4, [1])])])
+    cfg = RunConfig(str(plan), str(inputs["gpt"]), str(inputs["cluster"]), steps=3)
+    peaks = run_local(cfg)["peak_memory_bytes"]
+    for device in ("host:0", "host:1"):  # two micro-batches each, run one after the other
+        assert peaks[device] == pytest.approx(static + one_mb, rel=0.02)

@@ -1,0 +1,140 @@
+"""Provisioning's spot terms: the checkpoint time of the plan's largest node at the local-disk
+rate and Young's interval from the offer's preemption rate (the replay's blocks), a floor of
+the slowdown that holds for every plan, and agreement with the replay of a Poisson trace."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from hetplan.cluster import cluster_from_dict
+from hetplan.cost.params import default_params
+from hetplan.elastic.placement import shard_bytes
+from hetplan.market import Offer, market_from_dict
+from hetplan.model import load_model
+from hetplan.search.spot import (
+    LOCAL_WRITE_BYTES_PER_S,
+    SpotTerms,
+    checkpoint_floor_s,
+    checkpoint_time_s,
+    mixed_load,
+    offer_load,
+    slowdowns,
+    spot_slowdown,
+)
+from hetplan.spot.planner import Planner
+from hetplan.spot.pool import layout, pool_from_cluster
+from hetplan.spot.simulate import Settings, simulate
+from hetplan.spot.traces import PoolType, synthesize
+
+
+def test_mixed_slowdown_by_hand():
+    # offer a: 1 preemption an hour costing 300 s; offer b: 2 an hour costing 150 s each
+    a, b = (1 / 3600, 300.0), (2 / 3600, 150.0)
+    load = mixed_load([a, b])
+    # fixed interval 1200 s, no checkpoint stall: lost work 600 s per preemption;
+    # lost share (300 + 600) / 3600 + 2 (150 + 600) / 3600 = 2400 / 3600
+    assert slowdowns(*load, SpotTerms(1200.0), 0.0) == pytest.approx(3.0)
+    # C = 60 s: lost work 630 s; kept 1 - 930/3600 - 1560/3600, of which 1200/1260 trains
+    useful = (1 - 930 / 3600 - 1560 / 3600) * 1200 / 1260
+    assert slowdowns(*load, SpotTerms(1200.0), 60.0) == pytest.approx(1 / useful)
+    # Young's interval from the run's rate: M = 1200 s, C = 6 s -> sqrt(2 * 6 * 1200) = 120 s
+    kept = 1 - (300 + 63) / 3600 - 2 * (150 + 63) / 3600  # lost work (120 + 6) / 2 = 63 s
+    assert slowdowns(*load, SpotTerms(), 6.0) == pytest.approx(1 / (kept * 120 / 126))
+    # 50% and 60% of the time lost: the run never progresses
+    assert math.isinf(slowdowns(*mixed_load([(1 / 3600, 1800.0), (1 / 3600, 2160.0)]),
+                                SpotTerms(0.0), 0.0))  # fmt: skip
+
+
+def test_floor_is_below_every_interval_and_larger_checkpoint():
+    """Brute force: the floor at C0 with no interval stated is at most the slowdown at any
+    interval on a fine grid and any C >= C0, and it equals the grid's minimum at C0."""
+    per_s, fixed = 3 / 3600, 200.0
+    for c0 in (2.0, 30.0, 120.0):
+        floor = slowdowns(per_s, fixed, SpotTerms(), c0, floor=True)
+        grid = np.linspace(1.0, 3000.0, 300_000)
+        at_c0 = [slowdowns(per_s, fixed, SpotTerms(float(i)), c0) for i in grid[::997]]
+        dense = 1 / (
+            (1 - per_s * (fixed + (grid + c0) / 2)) * grid / (grid + c0)
+        )  # the slowdown by hand on the whole grid
+        assert floor <= min(at_c0) * (1 + 1e-12)
+        assert floor == pytest.approx(float(dense[dense > 0].min()), rel=1e-6)
+        for c in (c0, 2 * c0, 10 * c0):  # Young's interval at the plan's C is never better
+            assert floor <= slowdowns(per_s, fixed, SpotTerms(), c) * (1 + 1e-12)
+
+
+def test_checkpoint_time_is_the_largest_node_and_the_floor_is_below_it():
+    model = load_model("gpt2-medium")
+    cluster = cluster_from_dict({"nodes": [{"gpu": "A100-80GB", "gpus": 2, "count": 2}]})
+    planner = Planner(model, pool_from_cluster(cluster), "bf16", 32, default_params(), 1.25e9,
+                      replan_search=False)  # fmt: skip
+    plan = planner.first(layout(planner.pool, {"A100-80GB": 4})).plan
+    total = sum(shard_bytes(model).values())
+    c = checkpoint_time_s(plan, model)
+    # every node holds at least one shard and at most all: between the mean and the whole
+    assert total / 2 / LOCAL_WRITE_BYTES_PER_S <= c <= total / LOCAL_WRITE_BYTES_PER_S
+    assert float(checkpoint_floor_s(model, 2)) == pytest.approx(total / 2 / 2e9)
+    # gpt2-medium: 12 bytes per parameter (fp32 weights and both Adam moments)
+    assert total == 12 * model.total_params()
+
+
+RATE, OUTAGE, RESTART, STORAGE = 0.25, 900.0, 60.0, 1.25e9
+
+
+@pytest.mark.parametrize("nodes", [1, 2])
+def test_provisioning_slowdown_equals_the_replay_long_run(nodes):
+    """Provisioning's figure for an offer (its plan's checkpoint time, Young's interval from
+    the offer's rate, both chosen by provisioning) against the replay of a long Poisson
+    trace at that rate, the replay choosing C and the interval itself (``wait``: the run
+    provisioning prices)."""
+    model = load_model("gpt2-medium")
+    cluster = cluster_from_dict({"nodes": [{"gpu": "A100-80GB", "gpus": 8, "count": nodes}]})
+    pool = pool_from_cluster(cluster)
+    planner = Planner(model, pool, "bf16", 64, default_params(), STORAGE, replan_search=False)
+    trace = synthesize([PoolType("A100-80GB", 8, nodes, RATE, OUTAGE)], 3000 * 3600.0,
+                       seed=5 + nodes)  # fmt: skip
+    result = simulate(trace, planner, Settings(restart_s=RESTART))  # interval and C: its own
+    by = {p["name"]: p for p in result.policies}
+    replay = trace.duration_s / (by["wait"]["tokens"] / result.first_tokens_per_s)
+    node = pool.types["A100-80GB"].template
+    offer = Offer("a100", node.gpu, 8, nodes, 3.0, 1.0, node.network_bytes_per_s,
+                  node.intra_node_bytes_per_s, RATE, restart_s=OUTAGE + RESTART)  # fmt: skip
+    plan = planner.first(layout(pool, {"A100-80GB": 8 * nodes})).plan
+    terms = SpotTerms(state_bytes=12.0 * model.total_params(), storage_bytes_per_s=STORAGE)
+    closed = spot_slowdown(offer, nodes, terms, checkpoint_time_s(plan, model))
+    assert result.checkpoint_s == pytest.approx(checkpoint_time_s(plan, model))
+    assert closed > 1.05  # preemptions matter here
+    assert replay == pytest.approx(closed, rel=0.03)
+
+
+def test_spot_provisioning_bounds_hold_and_use_the_plan_checkpoint():
+    """Every planned spot point (single types and mixes, nothing pruned) is at least the
+    bound the search held for it, and its time is the on-demand time stretched by the
+    slowdown of its own plan's checkpoint time at Young's interval."""
+    from hetplan.search.provision import provision
+
+    market = market_from_dict(
+        {
+            "offers": [
+                {"gpu": "A100-80GB", "gpus_per_node": 2, "max_nodes": 2,
+                 "on_demand_usd_per_gpu_hour": 3.43, "spot_usd_per_gpu_hour": 1.2,
+                 "preemption_rate_per_node_hour": 0.5},
+                {"gpu": "T4", "gpus_per_node": 2, "max_nodes": 2,
+                 "on_demand_usd_per_gpu_hour": 0.526, "spot_usd_per_gpu_hour": 0.2,
+                 "preemption_rate_per_node_hour": 0.3},
+            ]
+        }
+    )  # fmt: skip
+    model = load_model("gpt2")
+    res = provision(model, market, 1e9, 16, "fp16", spot=True, mixes=True, prune=False)
+    assert len(res.points) == 8
+    offers = {o.gpu.name: o for o in market.offers}
+    terms = SpotTerms(state_bytes=12.0 * model.total_params())
+    for p in res.points:
+        assert 0 < p.bound_s <= p.time_to_train_s * (1 + 1e-12), p.gpus
+        loads = [offer_load(offers[g], n // 2, terms) for g, n in p.gpus.items()]
+        slow = slowdowns(*mixed_load(loads), terms, checkpoint_time_s(p.plan, model))
+        assert p.estimate is not None and slow > 1.0
+        assert p.time_to_train_s == pytest.approx(1e9 / p.estimate.tokens_per_s * slow)
