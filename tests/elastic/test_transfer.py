@@ -81,3 +81,24 @@ def test_machine_figures_are_measured_once(tmp_path: Path) -> None:
     assert 1e7 < rate < 1e11 and measured_hash_bytes_per_s() is rate
     latency = measured_file_latency_s(str(tmp_path))
     assert 0 < latency < 1.0 and measured_file_latency_s(str(tmp_path)) is latency
+
+
+def test_newer_partial_step_is_set_aside_then_deleted(tmp_path: Path) -> None:
+    """A step newer than the recovered one (a checkpoint a preemption cut short) leaves the
+    node's steps before recovery ends, and its files are deleted afterwards, off the path."""
+    import threading
+
+    local, store, _ = _setup(tmp_path)
+    partial = local / "p" / ckpt.step_dir_name(4)
+    partial.mkdir()
+    (partial / "a.pt").write_bytes(b"z" * 5000)
+    found = survey(local, ["p", "q"], store, UNITS)
+    assert found.step == 2  # step 4 has no manifest: not recoverable
+    plan = plan_recovery(_problem(found, {"p": frozenset(UNITS), "q": frozenset(UNITS)}))
+    execute(plan, found, local, store, MODEL, 0)
+    assert sorted(d.name for d in (local / "p").glob("step_*")) == [ckpt.step_dir_name(2)]
+    assert ckpt.read_manifest(local / "p").path.name == ckpt.step_dir_name(2)
+    for t in threading.enumerate():
+        if t.name == "discard-steps":
+            t.join(timeout=10)
+    assert not any(d.name.startswith(".discard") for d in (local / "p").iterdir())

@@ -12,9 +12,9 @@ per (missing shard on a node, source), one continuous T, a capacity row per reso
 Recovery also verifies every shard a node needs (SHA-256): local shards from disk, received
 ones while they stream in, on the node's CPU at ``hash_bytes_per_s`` — one more resource per
 node, in parallel with its NIC, with a load that no choice of source changes. After the
-flows, each node's manifest and ``latest`` are written one node after the other (two atomic
-writes each) and one copied file's open/rename is on the critical path: a fixed
-``file_latency_s`` per file.
+flows, every node writes its manifest and ``latest`` (two atomic writes, the nodes at the
+same time) and one copied file's open/rename is on the critical path: three fixed
+``file_latency_s``.
 """
 
 from __future__ import annotations
@@ -93,10 +93,9 @@ class RecoveryProblem:
         }
 
     def fixed_s(self) -> float:
-        """Returns the serial file overhead: one copied file's open/rename, then a manifest and
-        ``latest`` written per node."""
-        nodes = sum(1 for shards in self.need.values() if shards)
-        return self.file_latency_s * (1 + 2 * nodes) if nodes else 0.0
+        """Returns the serial file overhead: one copied file's open/rename, then each node's
+        manifest and ``latest`` (two atomic writes; the nodes write their disks concurrently)."""
+        return 3 * self.file_latency_s if any(self.need.values()) else 0.0
 
     def missing(self) -> list[tuple[str, str]]:
         """Returns the (node, shard) pairs that must be transferred, in a fixed order."""

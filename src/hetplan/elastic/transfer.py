@@ -15,6 +15,7 @@ import shutil
 import tempfile
 import threading
 import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -219,19 +220,34 @@ def execute(
     ordered = sorted(plan.transfers, key=lambda t: t.source == LOCAL)
     with ThreadPoolExecutor(max_workers=workers) as pool:
         list(pool.map(one, ordered))
-    nodes = sorted({t.node for t in plan.transfers})
-    for node in nodes:
+    discarded: list[Path] = []
+
+    def finish(node: str) -> None:
         root = local_root / node
         for d in root.glob("step_*"):  # steps newer than the recovered one were never complete
             if d.name[5:].isdigit() and int(d.name[5:]) > step:
-                shutil.rmtree(d, ignore_errors=True)
+                discarded.append(d.rename(root / f".discard-{d.name}-{uuid.uuid4().hex[:8]}"))
         files = {
             f"{t.shard}.pt": found.digests[f"{t.shard}.pt"]
             for t in plan.transfers
             if t.node == node
         }
         write_node_step(root, step, node_manifest(step, found.data_position, seed, model, files))
-    return time.perf_counter() - start, notes
+
+    # every node writes its own disk: the manifests and 'latest' files are written concurrently
+    nodes = sorted({t.node for t in plan.transfers})
+    with ThreadPoolExecutor(max_workers=max(1, len(nodes))) as pool:
+        list(pool.map(finish, nodes))
+    elapsed = time.perf_counter() - start
+    if discarded:  # freeing their blocks is not needed to resume: off the critical path
+        threading.Thread(target=_delete, args=(discarded,), name="discard-steps").start()
+    return elapsed, notes
+
+
+def _delete(dirs: list[Path]) -> None:
+    """Deletes the set-aside step directories (a background thread's work)."""
+    for d in dirs:
+        shutil.rmtree(d, ignore_errors=True)
 
 
 def complete_storage(
