@@ -239,7 +239,9 @@ def owned_and_rented(console: Console) -> None:
     model = load_model("gpt3-13b")
     owned = cluster_from_dict({"nodes": [{"gpu": "A100-40GB", "gpus": 8, "count": 4,
                                           "owned": True}]})  # fmt: skip
+    search_cpu = time.process_time()
     fast = provision(model, market_from_dict(market), 1e11, 1024, "fp16", owned=owned)
+    search_cpu = time.process_time() - search_cpu
     full = provision(model, market_from_dict(market), 1e11, 1024, "fp16", owned=owned,
                      prune=False)  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
@@ -259,8 +261,8 @@ def owned_and_rented(console: Console) -> None:
         after = resource.getrusage(resource.RUSAGE_CHILDREN)
         cpu_s = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     table = Table(title="GPT-3 13B, 1e11 tokens: 32 owned A100-40GB + up to 32 rented H100")
-    for col in ("point", "days", "total $", "$/hour", "non-dominated", "command wall/CPU s",
-                "target"):  # fmt: skip
+    for col in ("point", "days", "total $", "$/hour", "non-dominated", "search CPU s",
+                "command wall/CPU s", "target"):  # fmt: skip
         table.add_column(col)
     for p in fast.front:
         others = [q for q in full.points if q is not p]
@@ -269,7 +271,7 @@ def owned_and_rented(console: Console) -> None:
         label = " + ".join([f"{n} x {g} (owned)" for g, n in p.owned.items()]
                            + [f"{n} x {g}" for g, n in p.gpus.items()])  # fmt: skip
         table.add_row(label, f"{p.time_to_train_s / 86400:.2f}", f"{p.total_cost_usd:,.0f}",
-                      f"{p.usd_per_hour:,.2f}", "yes" if ok else "NO",
+                      f"{p.usd_per_hour:,.2f}", "yes" if ok else "NO", f"{search_cpu:.1f}",
                       f"{command_s:.1f} / {cpu_s:.1f} (exit {proc.returncode})",
                       "< 15 s")  # fmt: skip
     console.print(table)

@@ -5,6 +5,7 @@ GPU (every candidate that fits, in order of a proven bound, no finalist cap)."""
 from __future__ import annotations
 
 import math
+from typing import cast
 
 from hetplan.cluster import Cluster
 from hetplan.cost.estimate import Estimate, estimate
@@ -13,6 +14,7 @@ from hetplan.errors import InputError
 from hetplan.model import ModelSpec
 from hetplan.plan import Plan
 from hetplan.search.constraints import PlanConstraints, homogeneous_space
+from hetplan.search.het_cache import SearchCache
 from hetplan.search.het_tables import PlanBounds
 from hetplan.search.homogeneous import divisors, search_homogeneous
 from hetplan.search.layout import uniform_plan
@@ -28,9 +30,10 @@ def best_single_type(
     params: CostParams,
     flash_attention: bool,
     constraints: PlanConstraints | None = None,
+    cache: SearchCache | None = None,
 ) -> tuple[Scored | None, list[str]]:
     """Returns the fastest homogeneous plan on the nodes of any one class (within the
-    constraints), and notes."""
+    constraints), and notes; ``cache`` keeps each class's answer for other searches."""
     space = homogeneous_space(constraints or PlanConstraints())
     notes: list[str] = []
     best: Scored | None = None
@@ -43,15 +46,24 @@ def best_single_type(
         if not sub.nodes[0].gpu.supports(precision):
             notes.append(f"{sig[0]} has no {precision} support; left out")
             continue
-        try:
-            res = search_homogeneous(
-                model, sub, global_batch, precision, 1, params, space=space,
-                flash_attention=flash_attention,
-            )  # fmt: skip
-        except InputError as exc:
-            notes.append(f"single-type baseline on {sig[0]}: {exc.reason}")
+        key = (sub.nodes, global_batch, precision, space, flash_attention)
+        if cache is not None and key in cache.homogeneous:
+            answer = cache.homogeneous[key]
+        else:
+            try:
+                res = search_homogeneous(
+                    model, sub, global_batch, precision, 1, params, space=space,
+                    flash_attention=flash_attention,
+                )  # fmt: skip
+                answer = res.ranked[0] if res.ranked else None
+            except InputError as exc:
+                answer = exc
+            if cache is not None:
+                cache.homogeneous[key] = answer
+        if isinstance(answer, InputError):
+            notes.append(f"single-type baseline on {sig[0]}: {answer.reason}")
             continue
-        top = res.ranked[0] if res.ranked else None
+        top = cast(Scored | None, answer)
         if top and (best is None or top[1].iteration_time_s < best[1].iteration_time_s):
             best = top
     return best, notes

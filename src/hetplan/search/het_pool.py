@@ -16,6 +16,7 @@ from hetplan.model import ModelSpec
 from hetplan.plan import Plan
 from hetplan.search.constraints import PlanConstraints, narrow
 from hetplan.search.grouping import DeviceClass
+from hetplan.search.het_cache import SearchCache
 from hetplan.search.het_space import (
     MICRO_BATCHES,
     canonical,
@@ -71,6 +72,8 @@ class CandidatePool:
     is queued or recorded."""
     progress: ProgressHook | None = None
     """Told after every estimate (candidates estimated, best so far)."""
+    shared: SearchCache | None = None
+    """Caches shared with other searches of the model (``het_cache``), or None."""
 
     # ---------------------------------------------------------------- knob domains
     @property
@@ -122,7 +125,11 @@ class CandidatePool:
         for k, (c, t) in enumerate(zip(self.classes, tps, strict=True)):
             key = (k, t, knobs)
             if key not in self.tables:  # shared, so their memory caps are computed once
-                self.tables[key] = class_table(self.model, c, t, knobs, self.params, self.acts)
+                caches = (
+                    None if self.shared is None else self.shared.table_caches(c.nodes[0], t, knobs)
+                )
+                self.tables[key] = class_table(self.model, c, t, knobs, self.params, self.acts,
+                                               caches)  # fmt: skip
             out.append(self.tables[key])
         return out
 

@@ -38,6 +38,7 @@ from hetplan.cost.schedule import EXACT_ACTION_LIMIT, peak_in_flight, replay
 from hetplan.model import ModelSpec
 from hetplan.plan import Plan, element_bytes
 from hetplan.search.grouping import DeviceClass
+from hetplan.search.het_cache import TableCaches
 from hetplan.search.partition import Partition, uniform_frontiers
 
 MANY = 1 << 30
@@ -289,9 +290,12 @@ def class_table(
     knobs: Knobs,
     params: CostParams,
     acts: dict[tuple[object, ...], float] | None = None,
+    caches: TableCaches | None = None,
 ) -> ClassTable:
     """Returns the cost table of ``cls`` at tensor-parallel degree ``tp``; ``acts``: a
-    cache of peak activations shared with the other tables of ``model``."""
+    cache of peak activations shared with the other tables of ``model``; ``caches``: the
+    memory caps, stage times and state bytes of tables of the same node hardware, TP degree
+    and knobs (``het_cache.SearchCache``), shared with them."""
     node = cls.nodes[0]
     peer = cls.nodes[1] if len(cls.nodes) > 1 else replace(node, name=node.name + "~peer")
     table = ClassTable(
@@ -314,6 +318,8 @@ def class_table(
     )
     if acts is not None:
         table._acts = acts
+    if caches is not None:
+        table._caps, table._rows, table._times, table._state = caches
     base = table.stage_s(0, False, False)
     table.overhead_s = base
     table.layer_s = table.stage_s(1, False, False) - base
@@ -597,16 +603,23 @@ class PlanBounds:
     """Memory and a proven lower bound of ``estimate``'s iteration time for concrete plans
     (devices placed), from ``estimate``'s own pieces; caches stage times, optimizer steps
     and pipeline bounds across plans that share them (twins differing in ZeRO or sequence
-    parallelism share everything but memory and the optimizer's shards)."""
+    parallelism share everything but memory and the optimizer's shards). ``pipes``: pipeline
+    bounds by their stage times (keyed by every number they read), shared across clusters."""
 
-    def __init__(self, model: ModelSpec, cluster: Cluster, params: CostParams) -> None:
+    def __init__(
+        self,
+        model: ModelSpec,
+        cluster: Cluster,
+        params: CostParams,
+        pipes: dict[tuple[object, ...], float] | None = None,
+    ) -> None:
         self.model = model
         self.cluster = cluster
         self.params = params
         self._nodes: dict[str, Node] = {}
         self._stage: dict[tuple[object, ...], tuple[float, ...]] = {}
         self._opt: dict[tuple[object, ...], float] = {}
-        self._pipe: dict[tuple[object, ...], float] = {}
+        self._pipe: dict[tuple[object, ...], float] = {} if pipes is None else pipes
         self._plans: dict[tuple[object, ...], float] = {}
 
     def node(self, device: str) -> Node:

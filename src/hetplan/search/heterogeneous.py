@@ -52,6 +52,7 @@ from hetplan.model import ModelSpec
 from hetplan.search.constraints import PlanConstraints
 from hetplan.search.grouping import device_classes
 from hetplan.search.het_baselines import best_single_type, best_uniform
+from hetplan.search.het_cache import SearchCache
 from hetplan.search.het_enumeration import ENUMERATION_BUDGET, Enumeration, enumerate_all
 from hetplan.search.het_generation import SearchState
 from hetplan.search.het_result import HeteroResult
@@ -81,11 +82,13 @@ def search_heterogeneous(
     flash_attention: bool = True,
     constraints: PlanConstraints | None = None,
     progress: ProgressHook | None = None,
+    cache: SearchCache | None = None,
 ) -> HeteroResult:
     """Returns the top-k plans on a mixed cluster, best first, with both baselines (only
-    plans the constraints allow); ``progress`` is told after every estimate."""
+    plans the constraints allow); ``progress`` is told after every estimate; ``cache``:
+    work shared with other searches of the model (``het_cache``; the same answer)."""
     return search_with(model, cluster, global_batch, precision, top_k, params, flash_attention,
-                       constraints=constraints, progress=progress)  # fmt: skip
+                       constraints=constraints, progress=progress, cache=cache)  # fmt: skip
 
 
 def search_with(
@@ -100,11 +103,14 @@ def search_with(
     enumerate_budget: int = ENUMERATION_BUDGET,
     constraints: PlanConstraints | None = None,
     progress: ProgressHook | None = None,
+    cache: SearchCache | None = None,
 ) -> HeteroResult:
     """Returns what ``search_heterogeneous`` does; ``prune=False`` turns off every bound
     (to check that pruning loses nothing); ``enumerate_budget=0`` skips the enumeration."""
     start = time.perf_counter()
     params = params or default_params()
+    if cache is not None and not cache.serves(model, params):
+        cache = None
     notes: list[str] = []
     classes = []
     for cls in device_classes(cluster):
@@ -118,7 +124,7 @@ def search_with(
     if constraints.flash_attention is not None:
         flash_attention = constraints.flash_attention
     single, more = best_single_type(
-        model, cluster, global_batch, precision, params, flash_attention, constraints
+        model, cluster, global_batch, precision, params, flash_attention, constraints, cache
     )
     notes += more
     uniform = best_uniform(model, cluster, global_batch, precision, params, flash_attention,
@@ -139,7 +145,9 @@ def search_with(
     state.prune = prune
     state.constraints = constraints
     state.progress = progress
-    state.bounds = PlanBounds(model, cluster, params)
+    if cache is not None:
+        state.shared, state.acts, state.frontiers = cache, cache.acts, cache.frontiers
+    state.bounds = PlanBounds(model, cluster, params, None if cache is None else cache.pipes)
     for b in (single, uniform):
         if b is not None:
             state.add(*b)

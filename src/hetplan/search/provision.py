@@ -361,10 +361,12 @@ def _mixes(
     cost bound to the front's cost at its time bound; beyond the front's fast end first) is
     planned with the heterogeneous search. Nothing is left unexplored, unless ``job.stop_at``
     passes (checked before each mix): the live mixes are then returned with their bounds."""
+    from hetplan.search.het_cache import SearchCache
     from hetplan.search.heterogeneous import search_heterogeneous
 
     model, tokens, global_batch, precision, spot, params, _, prune, flash = job.unpack()
     grid, pairs, impossible = _mix_grid(job, offers)
+    cache = SearchCache(model, params)  # mixes of the same offers share their class tables
     live = np.arange(grid.t_lb.size)
     planned = pruned = 0
     while live.size:
@@ -391,7 +393,7 @@ def _mixes(
         na, nb = int(grid.na[q]), int(grid.nb[q])
         cluster = job.limits.apply_to_cluster(_mix_cluster(a, na, b, nb, job.pricing))
         res = search_heterogeneous(model, cluster, global_batch, precision, 1, params, flash,
-                                   job.limits)  # fmt: skip
+                                   job.limits, cache=cache)  # fmt: skip
         if not res.ranked:
             continue
         plan, est = res.ranked[0]

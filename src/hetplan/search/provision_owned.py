@@ -24,6 +24,7 @@ from hetplan.cost.money import node_parts
 from hetplan.market import Offer
 from hetplan.plan import Plan
 from hetplan.search.constraints import homogeneous_space
+from hetplan.search.het_cache import SearchCache
 from hetplan.search.provision import (
     PROVISION_SPACE,
     Point,
@@ -47,7 +48,9 @@ def owned_usd_per_hour(owned: Cluster) -> float:
     return total
 
 
-def _plan(job: _Job, cluster: Cluster) -> tuple[Plan, Estimate] | None:
+def _plan(
+    job: _Job, cluster: Cluster, cache: SearchCache | None = None
+) -> tuple[Plan, Estimate] | None:
     from hetplan.search.heterogeneous import search_heterogeneous
     from hetplan.search.homogeneous import search_homogeneous
 
@@ -58,7 +61,7 @@ def _plan(job: _Job, cluster: Cluster) -> tuple[Plan, Estimate] | None:
                                  flash_attention=job.flash)  # fmt: skip
         return res.ranked[0] if res.ranked else None
     het = search_heterogeneous(job.model, cluster, job.global_batch, job.precision, 1,
-                               job.params, job.flash, job.limits)  # fmt: skip
+                               job.params, job.flash, job.limits, cache=cache)  # fmt: skip
     return het.ranked[0] if het.ranked else None
 
 
@@ -115,6 +118,9 @@ def owned_first(
     owned = job.limits.apply_to_cluster(owned)
     planned = pruned = 0
     floor_memo: dict[tuple[str, int], TypeFloor] = {}
+    # the mixes are made of the same kinds of nodes: their searches share class tables,
+    # layer-split frontiers and single-type baselines (the same answers, built once)
+    cache = SearchCache(job.model, job.params)
 
     def floors_of(cluster: Cluster) -> tuple[list[TypeFloor], list[np.ndarray]]:
         kinds: dict[tuple[str, int], int] = {}
@@ -145,7 +151,7 @@ def owned_first(
         nonlocal planned
         planned += 1
         job.tick(1, 0, points)
-        found = _plan(job, c.cluster)
+        found = _plan(job, c.cluster, cache)
         if found is None:
             return
         plan, est = found
