@@ -6,7 +6,12 @@ import hashlib
 import json
 from pathlib import Path
 
-from hetplan.elastic.node_ckpt import node_manifest, write_node_step
+from hetplan.elastic.node_ckpt import (
+    DISCARD_PREFIX,
+    clean_discarded,
+    node_manifest,
+    write_node_step,
+)
 from hetplan.elastic.recovery import STORAGE, RecoveryProblem, plan_recovery
 from hetplan.elastic.storage import ShardStore
 from hetplan.elastic.transfer import (
@@ -102,3 +107,20 @@ def test_newer_partial_step_is_set_aside_then_deleted(tmp_path: Path) -> None:
         if t.name == "discard-steps":
             t.join(timeout=10)
     assert not any(d.name.startswith(".discard") for d in (local / "p").iterdir())
+
+
+def test_set_aside_steps_a_dead_process_left_are_cleaned(tmp_path: Path) -> None:
+    """A set-aside step whose background delete never ran (the process died) is removed by
+    the next start's cleanup; live steps and other files stay."""
+    root = tmp_path / "node"
+    keep = root / ckpt.step_dir_name(2)
+    keep.mkdir(parents=True)
+    (keep / "a.pt").write_bytes(b"x")
+    left = root / f"{DISCARD_PREFIX}{ckpt.step_dir_name(4)}-0a1b2c3d"
+    left.mkdir()
+    (left / "a.pt").write_bytes(b"y" * 100)
+    (root / "worker-0.pid").write_bytes(b"1")
+    assert clean_discarded(root) == [left]
+    assert not left.exists()
+    assert sorted(p.name for p in root.iterdir()) == [ckpt.step_dir_name(2), "worker-0.pid"]
+    assert clean_discarded(tmp_path / "absent") == []

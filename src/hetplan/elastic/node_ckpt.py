@@ -42,6 +42,19 @@ def write_node_step(root: Path, step: int, manifest: bytes) -> None:
         shutil.rmtree(root / ckpt.step_dir_name(old), ignore_errors=True)
 
 
+DISCARD_PREFIX = ".discard-"
+"""Names a cut-short step a recovery set aside; a background thread deletes it."""
+
+
+def clean_discarded(root: Path) -> list[Path]:
+    """Removes the set-aside steps under a node's ``root`` that a process which died before
+    its background delete finished left behind; returns them."""
+    stale = [p for p in root.glob(DISCARD_PREFIX + "*") if p.is_dir()] if root.is_dir() else []
+    for p in stale:
+        shutil.rmtree(p, ignore_errors=True)
+    return stale
+
+
 class NodeCheckpointer:
     """One rank's part in writing node-local checkpoints and uploading them."""
 
@@ -56,6 +69,8 @@ class NodeCheckpointer:
         self.leader = trainer.rank == min(peers)
         # where an operator (or a test) finds the process to preempt
         self.root.mkdir(parents=True, exist_ok=True)
+        if self.leader:
+            clean_discarded(self.root)
         ckpt.write_atomic(self.root / f"worker-{trainer.rank}.pid", str(os.getpid()).encode())
 
     def _native(self) -> list[str]:

@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hetplan.elastic.node_ckpt import node_manifest, write_node_step
+from hetplan.elastic.node_ckpt import DISCARD_PREFIX, node_manifest, write_node_step
 from hetplan.elastic.placement import Placement
 from hetplan.elastic.recovery import LOCAL, STORAGE, RecoveryPlan, Transfer
 from hetplan.elastic.storage import ShardStore
@@ -226,7 +226,8 @@ def execute(
         root = local_root / node
         for d in root.glob("step_*"):  # steps newer than the recovered one were never complete
             if d.name[5:].isdigit() and int(d.name[5:]) > step:
-                discarded.append(d.rename(root / f".discard-{d.name}-{uuid.uuid4().hex[:8]}"))
+                aside = root / f"{DISCARD_PREFIX}{d.name}-{uuid.uuid4().hex[:8]}"
+                discarded.append(d.rename(aside))
         files = {
             f"{t.shard}.pt": found.digests[f"{t.shard}.pt"]
             for t in plan.transfers
