@@ -217,15 +217,3 @@ def node_parts(node: Any) -> MoneyParts | None:
         return None
     kind = str(getattr(node, "rental_kind", "on-demand"))
     return MoneyParts(rental=float(node.usd_per_gpu_hour), rental_kind=kind)
-
-
-def nodes_parts(nodes_per_gpu: list[Any]) -> MoneyParts | None:
-    """Returns the hourly cost of GPUs given by their nodes (one entry per GPU), by part;
-    None if any rental price is unknown."""
-    total = MoneyParts()
-    for node in nodes_per_gpu:
-        part = node_parts(node)
-        if part is None:
-            return None
-        total = total + part
-    return total

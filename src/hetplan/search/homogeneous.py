@@ -568,19 +568,3 @@ def _tiebreak(c: Candidate) -> tuple[object, ...]:
     rc = ("none", "selective", "full").index(c.recompute)
     return (rc, c.zero_stage, c.virtual_stages, c.lightened, c.pp, c.tp, -c.micro_batch,
             c.sequence_parallel)  # fmt: skip
-
-
-def _candidate_of(plan: Plan) -> Candidate:
-    first = plan.pipelines[0]
-    return Candidate(
-        first.stages[0].tp,
-        len(first.stages),
-        plan.dp,
-        plan.micro_batch_size,
-        plan.recompute,
-        plan.zero_stage,
-        plan.schedule,
-        plan.virtual_stages,
-        plan.sequence_parallel,
-        any(s.chunks is not None and len(set(s.chunks)) > 1 for s in first.stages),
-    )
