@@ -1,7 +1,7 @@
 """Provisioning benchmark (issue 4): front correctness against exhaustive search, search time
 on large markets, and GPT-3 175B over the default market.
 
-Run: .venv/bin/python bench/bench_provision.py [--quick]
+Run: .venv/bin/python bench/bench_provision.py [--quick] [--mix-bounds] [--mixes LIMIT]
 """
 
 from __future__ import annotations
@@ -223,6 +223,56 @@ def default_market_mixes_limited(console: Console, limit: str) -> None:
     console.print(table)
 
 
+def default_market_mix_bounds(console: Console) -> None:
+    """Issue 14: how far the proven bounds alone take `provision --spot --mixes` on the default
+    market (GPT-3 1.3B, 2e10 tokens): every (count, count) mix of every two spot offers,
+    those no plan can finish (a spot run preempted faster than it progresses, too little
+    memory), and of the rest those the single-type front prunes at their bounds, and those
+    whose time bound is below the fastest single-type point (no front point can prune them:
+    they must be planned, or a tighter time bound found). CPU seconds of each step."""
+    from dataclasses import replace as dc_replace
+
+    import numpy as np
+
+    from hetplan.cost.params import default_params
+    from hetplan.search import provision as prov
+    from hetplan.search.constraints import PlanConstraints
+    from hetplan.search.spot import SpotTerms
+
+    model = load_model("gpt3-1.3b")
+    terms = dc_replace(SpotTerms(), state_bytes=12.0 * model.total_params())
+    job = prov._Job(model, 20e9, model.default_global_batch, "fp16", True, default_params(),
+                    terms, True, True, PlanConstraints(), pricing="spot")  # fmt: skip
+    offers = [o for o in load_market(None).offers if o.has_price("spot")]
+    offers.sort(key=lambda o: o.price("spot") / max(prov._floor(job, o).rate_flops))
+    start = time.process_time()
+    points: list[prov.Point] = []
+    for offer in offers:
+        prov._single_type(job, offer, points)
+    singles_s = time.process_time() - start
+    start = time.process_time()
+    grid, pairs, impossible = prov._mix_grid(job, offers)
+    grid_s = time.process_time() - start
+    first = prov._front_cost(grid.t_lb, points) > grid.c_lb
+    start = time.process_time()
+    prov._tighten_spot(job, grid, pairs, np.nonzero(first)[0])
+    stage_s = time.process_time() - start
+    live = prov._front_cost(grid.t_lb, points) > grid.c_lb
+    fastest = min(p.time_to_train_s for p in points)
+    table = Table(title="Default market, spot mixes, GPT-3 1.3B: what the proven bounds decide")
+    for col in ("mixes", "no plan can finish", "bounded", "live after the first bounds",
+                "live after the stage bound", "live with time bound < fastest single",
+                "singles CPU s", "bounds CPU s", "stage bound CPU s"):  # fmt: skip
+        table.add_column(col)
+    table.add_row(
+        f"{grid.t_lb.size + impossible:,}", f"{impossible:,}", f"{grid.t_lb.size:,}",
+        f"{int(first.sum()):,}", f"{int(live.sum()):,}",
+        f"{int((live & (grid.t_lb < fastest)).sum()):,}", f"{singles_s:.1f}", f"{grid_s:.1f}",
+        f"{stage_s:.1f}",
+    )  # fmt: skip
+    console.print(table)
+
+
 def owned_and_rented(console: Console) -> None:
     """Issue 17: GPT-3 13B on 1e11 tokens over 32 owned A100-40GB + rented H100-80GB (a small
     market), the front against exhaustive enumeration (no pruning), and the whole command."""
@@ -295,7 +345,8 @@ def break_even_by_hand(console: Console) -> None:
 
 
 def main() -> None:
-    """Prints the tables (--quick: fewer cases; --mixes-default MODEL: the default market's
+    """Prints the tables (--quick: fewer cases; --mix-bounds: what the proven bounds decide
+    for the default market's spot mixes; --mixes-default MODEL: the default market's
     spot mixes, which can take long; --mixes LIMIT: the whole `provision --spot --mixes`
     command on the default market with --time-limit LIMIT, or none)."""
     console = Console(width=200)
@@ -306,6 +357,8 @@ def main() -> None:
     owned_and_rented(console)
     if "--mixes" in sys.argv:
         default_market_mixes_limited(console, sys.argv[sys.argv.index("--mixes") + 1])
+    if "--mix-bounds" in sys.argv:
+        default_market_mix_bounds(console)
     if "--mixes-default" in sys.argv:
         name = sys.argv[sys.argv.index("--mixes-default") + 1]
         default_market_spot_mixes(console, name, 20e9)

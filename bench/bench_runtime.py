@@ -3,16 +3,19 @@ on 2 processes: the parallel layouts, each plan feature the runtime honours (ZeR
 recomputation, bf16, sequence parallelism), and the dp2 plan through ``launch --elastic``.
 
 The profile measures what a training step runs here (layers, embedding, head with loss,
-AdamW step, gloo point-to-point and all-reduce, the pipelining overhead, TP collectives
-with and without sequence parallelism, a ZeRO-3 layer's gathers and reduce-scatters);
+AdamW step, gloo point-to-point, all-reduce and ZeRO's all-gather and reduce-scatter, the
+pipelining overhead, TP collectives with and without sequence parallelism, a ZeRO-3
+layer's gathers and reduce-scatters);
 ``estimate`` predicts each plan from it. Each plan runs ``--repeats`` times; the measured
 time is the median of the runs' median step times. The load average (1 min) is read
 before and after each run: other jobs on this machine inflate the measurements, so the
 bench (profile and runs, which inherit it) raises its own priority (``--nice``, as root)
 to measure the machine rather than its neighbours' load.
 
-Run: .venv/bin/python bench/bench_runtime.py [--steps 8] [--repeats 3] [--keep DIR]
-Prints one row per plan and exits 1 if any prediction is off by more than 20%.
+Run: .venv/bin/python bench/bench_runtime.py [--steps 8] [--repeats 3] [--keep DIR] [--cpu]
+Prints one row per plan and exits 1 if any prediction is off by more than 20%. ``--cpu``
+adds each plan's CPU time (user+sys) per step and rank, which other jobs' load inflates
+far less than wall time.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shutil
 import statistics
 import sys
@@ -174,6 +178,35 @@ def group_nice() -> int:
     return int(AUTOGROUP.read_text().split()[-1]) if AUTOGROUP.exists() else 0
 
 
+LINK_NAMES = {
+    "p2p": "gloo p2p",
+    "allreduce": "all-reduce",
+    "allgather": "all-gather",
+    "reduce_scatter": "reduce-scatter",
+}
+
+
+def _describe(links: dict[str, tuple[float, float] | None]) -> str:
+    """Returns the profiled link figures in words (latency per ring step for collectives)."""
+    out = []
+    for kind, name in LINK_NAMES.items():
+        fig = links.get(kind)
+        if fig is not None:
+            step = " per step" if kind != "p2p" else ""
+            out.append(f"{name} {fig[0] * 1e6:.0f} us{step} + {fig[1] / 1e9:.2f} GB/s")
+    over = links.get("pipeline")
+    if over is not None:
+        out.append(f"pipelining {over[0] * 1e6:.0f} us/action")
+    return ", ".join(out)
+
+
+def _children_cpu_s() -> float:
+    """Returns user+sys seconds of this process's finished descendants (torchrun's workers
+    included: each parent waits for its children)."""
+    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return ru.ru_utime + ru.ru_stime
+
+
 def main() -> int:
     """Profiles and runs every plan in rounds, prints the table; returns the exit code."""
     ap = argparse.ArgumentParser()
@@ -183,6 +216,12 @@ def main() -> int:
     ap.add_argument("--only", default=None, help="comma-separated plan names")
     ap.add_argument("--keep", type=Path, default=None)
     ap.add_argument("--nice", type=int, default=-10, help="niceness of the bench (0: as is)")
+    ap.add_argument(
+        "--cpu",
+        action="store_true",
+        help="also measure CPU time (user+sys) per step and rank: each plan runs again with "
+        "twice the steps, the difference divided by the extra steps (load-independent)",
+    )
     args = ap.parse_args()
     console = Console(width=150)
     before = group_nice()
@@ -224,6 +263,7 @@ def run_bench(args: argparse.Namespace, console: Console) -> int:
     pred: dict[str, list[float]] = {n: [] for n in names}
     meas: dict[str, list[float]] = {n: [] for n in names}
     loads: dict[str, list[float]] = {n: [] for n in names}
+    cpu: dict[str, list[float]] = {n: [] for n in names}
     profile_loads, sources = [], {}
     for k in range(args.repeats):
         db, load = profile_round(root, model_path, args.reps, k)
@@ -232,13 +272,9 @@ def run_bench(args: argparse.Namespace, console: Console) -> int:
         if k == 0:
             write_cluster(cluster_path, db)
         cluster = load_cluster(str(cluster_path))
-        p2p, ring, over = (db.link_figures(cluster.nodes[0].gpu, kind) for kind in LINKS)
-        assert p2p and ring and over
-        console.print(
-            f"round {k}: profiled at load {load:.1f}: gloo p2p {p2p[0] * 1e6:.0f} us + "
-            f"{p2p[1] / 1e9:.2f} GB/s, all-reduce {ring[0] * 1e6:.0f} us/step + "
-            f"{ring[1] / 1e9:.2f} GB/s bus, pipelining {over[0] * 1e6:.0f} us/action"
-        )
+        gpu = cluster.nodes[0].gpu
+        links = {kind: db.link_figures(gpu, kind) for kind in LINKS}
+        console.print(f"round {k}: profiled at load {load:.1f}: " + _describe(links))
         for name, plan_path in plans.items():
             est = estimate(load_plan(plan_path), model, cluster, profile=db)
             cfg = RunConfig(
@@ -258,7 +294,13 @@ def run_bench(args: argparse.Namespace, console: Console) -> int:
                 local = replace(cfg, local_dir=str(work / "local"), storage=str(work / "store"))
                 record = run_elastic(local, 1e9)
             else:
+                before = _children_cpu_s()
                 record = run_local(cfg)
+                if args.cpu:  # the same run with more steps: the difference is steady steps
+                    mid = _children_cpu_s()
+                    run_local(replace(cfg, steps=2 * args.steps))
+                    extra = _children_cpu_s() - mid - (mid - before)
+                    cpu[name].append(extra / args.steps / record["world_size"])
             meas[name].append(record["measured_step_time_s"])
             mem_meas[name].append(max(record["peak_memory_bytes"].values()))
             mem_pred[name] = est.max_memory_bytes
@@ -283,6 +325,8 @@ def run_bench(args: argparse.Namespace, console: Console) -> int:
         "pred. MB",
         "meas. MB",
     )
+    if args.cpu:
+        cols += ("CPU s/step/rank", "vs CPU")
     for col in cols:
         table.add_column(col, justify="right")
     worst = 0.0
@@ -301,6 +345,7 @@ def run_bench(args: argparse.Namespace, console: Console) -> int:
             sources[name],
             f"{mem_pred[name] / 1e6:.1f}",
             f"{statistics.median(mem_meas[name]) / 1e6:.1f}",
+            *_cpu_cells(cpu[name], p),
         )
     console.print(table)
     console.print(
@@ -308,6 +353,14 @@ def run_bench(args: argparse.Namespace, console: Console) -> int:
         f"{' '.join(f'{x:.1f}' for x in profile_loads)}; worst error {worst:.1%}"
     )
     return 0 if worst <= 0.2 else 1
+
+
+def _cpu_cells(cpu: list[float], predicted: float) -> list[str]:
+    """Returns the CPU-time cells of a row (none without ``--cpu`` or for elastic runs)."""
+    if not cpu:
+        return []
+    c = statistics.median(cpu)
+    return [f"{c:.4f}", f"{predicted / c - 1:+.1%}"]
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@ hetplan``) with ``--json --out <plan file>``; the table shows the best wall time
 ``--runs`` runs against the target, the CPU time (user + sys) of that run, the plan file's
 and the JSON's sizes, the child's peak RSS (``os.wait4``'s rusage), and the first plan.
 
-Run: .venv/bin/python bench/bench_search.py [--runs 3] [--skip-large]
+Run: .venv/bin/python bench/bench_search.py [--runs 3] [--skip-large] [--case 6.7B]
 """
 
 from __future__ import annotations
@@ -82,12 +82,22 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--runs", type=int, default=3, help="runs per case (the best is shown)")
     ap.add_argument("--skip-large", action="store_true", help="leave out the 512-GPU case")
+    ap.add_argument(
+        "--case",
+        action="append",
+        default=[],
+        help="run only the cases whose label contains this text (repeatable), e.g. '16 A100'",
+    )
     args = ap.parse_args()
     table = Table(title=f"hetplan plan, whole command (best of {args.runs} runs)")
     for col in ("case", "wall s", "target s", "CPU s", "plan kB", "JSON kB", "RSS MB",
                 "verdict", "iter s", "first plan"):  # fmt: skip
         table.add_column(col, justify="left" if col in ("case", "first plan") else "right")
     cases = CASES[:-1] if args.skip_large else CASES
+    if args.case:
+        cases = [c for c in cases if any(text in c[0] for text in args.case)]
+        if not cases:
+            raise SystemExit(f"--case: no case label contains {' or '.join(args.case)}")
     with tempfile.TemporaryDirectory() as tmp:
         for label, cmd, target, plan_kb, rss_mb in cases:
             runs = [run_once(cmd, Path(tmp) / "plan.json") for _ in range(args.runs)]

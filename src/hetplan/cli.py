@@ -106,6 +106,14 @@ MaxGpusLimit = Annotated[
     int | None,
     typer.Option("--max-gpus", help="At most this many GPUs (plan: the cluster's first nodes)"),
 ]
+OverlapTpOpt = Annotated[
+    bool,
+    typer.Option(
+        "--overlap-tp-comm/--no-overlap-tp-comm",
+        help="Plans overlap TP collectives with the matmuls, as predict's option: a fitted "
+        "share hidden, with sequence parallelism only (default: off)",
+    ),
+]
 TF32_NOTE = (
     "note: fp32 uses the FP32 CUDA-core peak; PyTorch with TF32 enabled (NGC containers, "
     "torch.backends.cuda.matmul.allow_tf32=True) runs fp32 matmuls on TF32 tensor cores: "
@@ -261,6 +269,7 @@ def plan(
     gpu_types: GpuTypesLimit = None,
     memory_headroom: HeadroomLimit = None,
     max_gpus: MaxGpusLimit = None,
+    overlap_tp_comm: OverlapTpOpt = False,
     params_path: ParamsOpt = None,
     profile_path: ProfileOpt = None,
 ) -> None:
@@ -269,13 +278,14 @@ def plan(
     The plan options (--tp, --pp, --dp, --micro-batch-size, --virtual-stages, --zero-stage,
     --recompute, --schedule, --sequence-parallel, --flash-attention, --gpu-types,
     --memory-headroom, --max-gpus) constrain the search: a value pins, a list or range
-    limits."""
+    limits. --overlap-tp-comm searches plans that overlap TP collectives (as for predict)."""
     require_matplotlib("--timeline", timeline)
     from hetplan.search.constraints import constraints_from_options
 
     limits = constraints_from_options(
         tp, pp, dp, micro_batch_size, virtual_stages, zero_stage, recompute, schedule,
         sequence_parallel, flash_attention, gpu_types, memory_headroom, max_gpus,
+        overlap_tp_comm,
     )  # fmt: skip
     spec = load_model(model, seq_len)
     cl = limits.apply_to_cluster(load_cluster(cluster))
@@ -598,6 +608,14 @@ def explain(
     as_json: JsonOpt = False,
     params_path: ParamsOpt = None,
     profile_path: ProfileOpt = None,
+    expand: Annotated[
+        bool,
+        typer.Option(
+            "--expand",
+            help="List every pipeline and stage instead of identical pipelines once, "
+            "with their count",
+        ),
+    ] = False,
 ) -> None:
     """Explain a plan: per stage and replica times, memory headroom, the bottleneck."""
     from hetplan.report.explain import explain as explain_plan
@@ -608,7 +626,7 @@ def explain(
     the_plan = load_plan(plan_path, cl)
     if precision is not None:
         the_plan = dataclasses.replace(the_plan, precision=_precision(cl, precision))
-    info = explain_plan(the_plan, spec, cl, load_cost(params_path, profile_path))
+    info = explain_plan(the_plan, spec, cl, load_cost(params_path, profile_path), expand)
     if as_json:
         print_json(info)
     else:
@@ -794,6 +812,7 @@ def provision(
     gpu_types: GpuTypesLimit = None,
     memory_headroom: HeadroomLimit = None,
     max_gpus: MaxGpusLimit = None,
+    overlap_tp_comm: OverlapTpOpt = False,
     params_path: ParamsOpt = None,
     profile_path: ProfileOpt = None,
 ) -> None:
@@ -819,6 +838,7 @@ def provision(
     limits = constraints_from_options(
         tp, pp, dp, micro_batch_size, virtual_stages, zero_stage, recompute, schedule,
         sequence_parallel, flash_attention, gpu_types, memory_headroom, max_gpus,
+        overlap_tp_comm,
     )  # fmt: skip
     if precision is not None and precision not in PRECISIONS:
         raise InputError("--precision", f"'{precision}' is not fp32, tf32, bf16 or fp16")
@@ -902,10 +922,19 @@ def provision(
         write_pareto_plot(plot, res, constraints)
     if as_json:
         left = [u.to_json() for u in res.unexplored]
-        print_json(result_json(res, constraints) | {"precision": precision, "unexplored": left})
+        print_json(
+            result_json(res, constraints)
+            | {
+                "precision": precision,
+                "unexplored": left,
+                "constraints": limits.described(),
+                "impossible_by_reason": res.impossible_by_reason,
+            }
+        )
         return
+    within = f", within {' '.join(limits.described())}" if limits.active else ""
     title = (
-        f"{spec.name}, {n_tokens:.3g} tokens, {precision}, {res.pricing} prices: "
+        f"{spec.name}, {n_tokens:.3g} tokens, {precision}, {res.pricing} prices{within}: "
         f"time-versus-cost front "
         f"({res.planned} configurations planned, {res.pruned} pruned by proven bounds, "
         f"{res.impossible} with no possible plan, {_unexplored_note(res)}; "
@@ -914,6 +943,13 @@ def provision(
     out.print(front_table(res, title, constraints))
     if res.left_out:
         out.print(f"left out (no {res.pricing} price): {', '.join(res.left_out)}", highlight=False)
+    if res.impossible_by_reason:
+        from hetplan.search.provision import IMPOSSIBLE_REASONS
+
+        why = "; ".join(
+            f"{n:,} {IMPOSSIBLE_REASONS[k]}" for k, n in res.impossible_by_reason.items()
+        )
+        out.print(f"no possible plan: {why}", highlight=False)
     if res.unexplored:
         out.print("unexplored mixes (time limit; each by name in --json):", highlight=False)
         for line in _unexplored_lines(res.unexplored):

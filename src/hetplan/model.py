@@ -174,8 +174,15 @@ class ModelSpec:
     def embedding_activation_bytes(
         self, tp: int, sequence_parallel: bool, elem_bytes: int = 2
     ) -> float:
-        """Returns activation bytes of the embedding output (and dropout mask), per sequence."""
-        per = elem_bytes * self.seq * self.hidden + (self.seq * self.hidden if self.dropout else 0)
+        """Returns the activation bytes the embedding itself holds for its backward, per
+        sequence: its dropout mask (one byte per element, as Megatron's fused dropout keeps
+        it). Its output is not counted here: where layer 0 sits in the same chunk it is that
+        layer's input, already in ``layer_activation_bytes`` (counting it here too held it
+        twice); where the chunk holds only the embedding, the output is sent on and freed
+        (Megatron's ``deallocate_output_tensor``). The lookup's backward needs only the token
+        ids. (``elem_bytes`` is kept for the callers' signature: the mask is one byte.)"""
+        del elem_bytes
+        per = self.seq * self.hidden if self.dropout else 0
         return per / (tp if sequence_parallel else 1)
 
     def head_activation_bytes(self, tp: int, elem_bytes: int = 2) -> float:

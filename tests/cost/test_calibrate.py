@@ -301,6 +301,25 @@ def test_sequence_parallel_selective_speedup_matches_the_paper():
         assert got == pytest.approx(want, rel=0.08), name
 
 
+NEMO_175B = DATA / "nemo_gpt3_175b_published.csv"
+
+
+def test_nemo_175b_rows_are_the_published_tokens_per_second():
+    """NeMo Megatron's README gives whole-job tokens per second on 16, 32 and 128 DGX A100
+    nodes (20,642 / 38,025 / 141,306); each row's iteration time must carry exactly that
+    throughput for a 1536 x 2048-token batch, on TP 8 / PP 8 with the config's micro-batch 2."""
+    runs = load_runs(NEMO_175B)
+    published = {128: 20642, 256: 38025, 1024: 141306}
+    assert sorted(r.cluster.num_gpus for r in runs) == sorted(published)
+    for run in runs:
+        assert run.plan is not None and run.metric == "iter_time_s"
+        assert run.plan.micro_batch_size == 2 and run.plan.global_batch_size == 1536
+        stages = run.plan.pipelines[0].stages
+        assert len(stages) == 8 and {len(s.devices) for s in stages} == {8}
+        tokens_per_s = 1536 * 2048 / run.measured
+        assert tokens_per_s == pytest.approx(published[run.cluster.num_gpus], rel=1e-4)
+
+
 def test_fit_keeps_nvlink_terms_within_what_the_links_measure():
     """Runs 'measured' on H100s with NVLink at 30% of its line rate and 100 us per step (a
     link no NCCL measurement shows: ~82% by ring, 480 GB/s busbw over NVLink SHARP,

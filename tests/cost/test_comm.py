@@ -56,3 +56,49 @@ def test_p2p_inside_and_across_nodes():
     assert comm.p2p_s(size, a, b, PARAMS, concurrency=8) == pytest.approx(
         8 * size / (a.network_bytes_per_s * 0.5)
     )
+
+
+def test_ring_allgather_and_reduce_scatter_volumes():
+    """Textbook ring: n-1 steps, each member sends one n-th of the buffer per step."""
+    assert comm.ring_allgather_bytes(8e6, 1) == 0.0
+    assert comm.ring_allgather_bytes(8e6, 2) == pytest.approx(4e6)
+    assert comm.ring_allgather_bytes(8e6, 4) == pytest.approx(6e6)
+    node = parse_inline_cluster("A100-80GB:1x4").nodes[0]
+    params = CostParams(link_efficiency=0.5, intra_latency_s=1e-5)
+    bw = node.intra_node_bytes_per_s * 0.5
+    size = 1e9
+    # 4 members: 3 steps of 1e9/4 bytes each, a step latency each
+    expected = 3 * (size / 4) / bw + 3 * 1e-5
+    for fn in (comm.group_allgather_s, comm.group_reduce_scatter_s):
+        assert fn(size, [node] * 4, params) == pytest.approx(expected)
+        assert fn(size, [node], params) == 0.0
+    # across nodes: half the hierarchical all-reduce's traffic
+    nodes = parse_inline_cluster("T4:2x4").nodes
+    members = [nodes[0]] * 4 + [nodes[1]] * 4
+    full = comm.group_allreduce_s(4e8, members, PARAMS)
+    assert comm.group_allgather_s(4e8, members, PARAMS) == pytest.approx(full / 2)
+
+
+def test_measured_allgather_and_reduce_scatter_figures(tmp_path):
+    """A profile's stored figures (latency per ring step, bus bytes/s) of each kind price
+    that collective; the other kind, not stored, stays half the all-reduce."""
+    from hetplan.measured.profile_db import ProfileDB
+
+    node = parse_inline_cluster("T4:1x4").nodes[0]
+    db = ProfileDB(tmp_path / "p.sqlite")
+    db.put_link("T4", "allgather", 0.002, 5e7)
+    params = PARAMS.with_profile(db)
+    size = 1e7
+    # 2 members: one step of half the buffer
+    assert comm.group_allgather_s(size, [node] * 2, params) == pytest.approx(0.002 + 5e6 / 5e7)
+    # 4 members: 3 steps of a quarter each
+    assert comm.group_allgather_s(size, [node] * 4, params) == pytest.approx(
+        3 * 0.002 + 7.5e6 / 5e7
+    )
+    unmeasured = comm.intra_node_allreduce_s(size, 2, node, params) / 2
+    assert comm.group_reduce_scatter_s(size, [node] * 2, params) == pytest.approx(unmeasured)
+    db.put_link("T4", "reduce_scatter", 0.001, 2e7)
+    params = PARAMS.with_profile(ProfileDB(tmp_path / "p.sqlite"))
+    assert comm.group_reduce_scatter_s(size, [node] * 2, params) == pytest.approx(0.001 + 5e6 / 2e7)
+    with pytest.raises(ValueError):
+        comm.intra_node_half_s(size, 2, node, params, "broadcast")

@@ -166,6 +166,9 @@ def test_breakdown_table_rows_add_up_to_the_iteration_with_zero3():
         total = rows.pop("iteration")
         assert total == pytest.approx(est.iteration_time_s, abs=1e-4)
         assert sum(rows.values()) == pytest.approx(total, abs=1e-3 * len(rows)), (tp, pp, zero)
-        assert rows["sharded dp comm"] > 0.01 * total
+        if pp == 1:
+            assert rows["sharded dp comm"] > 0.01 * total
+        else:  # pipelined ZeRO-3 syncs once a step, as ZeRO-1 (cost.sharding.deferred_sync)
+            assert rows["sharded dp comm"] == 0.0
         if pp == 1:
             assert rows["pipeline bubble"] == pytest.approx(0.0, abs=1e-4)

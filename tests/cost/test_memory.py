@@ -51,10 +51,12 @@ def test_layer_activation_bytes_korthikanti():
 
 
 def test_head_and_embedding_activation_bytes():
-    """Loss peak: fp16 logits + fp32 copy + clone + exp = 14 B/logit; embedding 2sh + mask."""
+    """Loss peak: fp16 logits + fp32 copy + clone + exp = 14 B/logit; the embedding holds
+    only its dropout mask (1 B/element; its output is layer 0's input, counted there)."""
     s, h, v = GPT.seq, GPT.hidden, GPT.vocab
     assert GPT.head_activation_bytes(2) == pytest.approx(2 * s * h + 14 * s * v / 2)
-    assert GPT.embedding_activation_bytes(1, False) == pytest.approx(3 * s * h)
+    assert GPT.embedding_activation_bytes(1, False) == pytest.approx(s * h)
+    assert GPT.embedding_activation_bytes(4, True) == pytest.approx(s * h / 4)
 
 
 def test_stage_activation_bytes_sums_terms():

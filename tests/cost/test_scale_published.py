@@ -54,3 +54,41 @@ def test_llama3_405b_smaller_dp_gains_as_measured():
     # (1 + 15/256) = 1.055x
     gain = _llama3_405b(64).mfu / _llama3_405b(128).mfu
     assert gain == pytest.approx(430 / 400, abs=0.03)
+
+
+# GPT-3 175B on DGX A100 80GB (NeMo Megatron's README, "Training Performance Results": 20,642,
+# 38,025 and 141,306 tokens/s on 16, 32 and 128 nodes; TP 8, PP 8, micro-batch 2, global batch
+# 1536, selective recomputation, sequence parallelism, plain 1F1B; rows and sources in
+# data/calibration/nemo_gpt3_175b_published.csv). 55.6% MFU on 128 GPUs, 47.6% on 1,024.
+
+
+def _nemo_175b() -> dict[int, tuple[float, float]]:
+    """Returns {GPUs: (predicted, measured) tokens/s per GPU} of the NeMo rows, predicted
+    with the shipped terms."""
+    from hetplan.cost.calibrate import load_runs, shipped_files
+    from hetplan.cost.params import load_params
+
+    path = next(p for p in shipped_files() if p.name == "nemo_gpt3_175b_published.csv")
+    params, out = load_params(None), {}
+    for run in load_runs(path):
+        assert run.plan is not None
+        est = estimate(run.plan, run.model, run.cluster, params, validate=False)
+        tokens = run.plan.global_batch_size * run.model.seq / run.cluster.num_gpus
+        out[run.cluster.num_gpus] = (tokens / est.iteration_time_s, tokens / run.measured)
+    return out
+
+
+def test_nemo_gpt3_175b_on_a100_within_10pct_of_measured():
+    for gpus, (predicted, measured) in _nemo_175b().items():
+        assert predicted == pytest.approx(measured, rel=0.10), gpus
+
+
+def test_nemo_gpt3_175b_loses_per_gpu_throughput_from_128_to_1024_gpus_as_measured():
+    # 128 -> 1,024 GPUs cuts the micro-batches per pipeline from 384 to 48 and spreads the
+    # gradient all-reduce over DP 16: measured 161.27 / 137.99 = 1.169x the throughput per
+    # GPU; the 1F1B bubble alone gives (1 + 7/48) / (1 + 7/384) = 1.125x
+    got = _nemo_175b()
+    gain = (got[128][0] / got[1024][0], got[128][1] / got[1024][1])
+    assert gain[1] == pytest.approx(20642 / 128 / (141306 / 1024), rel=1e-4)
+    assert gain[0] == pytest.approx(gain[1], abs=0.03)
+    assert gain[0] > (1 + 7 / 48) / (1 + 7 / 384)

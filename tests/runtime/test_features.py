@@ -32,6 +32,12 @@ CASES = [
     ),
     ("zero2 asymmetric", "llama", ASYM, {"zero_stage": 2}),
     ("zero3 2x2 tied embedding", "gpt", TWO_BY_TWO, {"zero_stage": 3}),
+    (
+        "zero3 2x2 interleaved",
+        "llama",
+        TWO_BY_TWO,
+        {"zero_stage": 3, "schedule": "Interleaved1F1B", "virtual_stages": 2},
+    ),
     ("zero3 tp2 x 2 replicas", "llama", TP2_TWICE, {"zero_stage": 3, "recompute": "full"}),
     (
         "selective recompute, sequence parallel, no flash",

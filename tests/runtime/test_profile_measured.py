@@ -20,7 +20,7 @@ from hetplan.measured.profile_db import ProfileDB
 from hetplan.model import load_model
 from hetplan.plan import load_plan
 from hetplan.runtime.profile import profile_model
-from hetplan.runtime.profile_links import fit_alpha_beta
+from hetplan.runtime.profile_links import fit_alpha_beta, ring_figures
 
 PP2 = [(8, [(1, [0]), (3, [1])])]
 DP2 = [(4, [(4, [0])]), (4, [(4, [1])])]
@@ -134,6 +134,29 @@ def test_estimate_uses_links_and_pipeline_overhead(
     assert sp.stages[0].tp_comm_s == pytest.approx(4 * (0.007 + 0.008))
 
 
+def test_zero1_sync_is_a_reduce_scatter_and_an_all_gather(
+    inputs: dict[str, Path], profiled: Path, tmp_path: Path, write_plan: Any
+) -> None:
+    """ZeRO-1's step: a reduce-scatter of fp32 gradients and an all-gather of fp16
+    parameters, each half a ring all-reduce of its bytes (2 members: one ring step each),
+    or the profile's own figures of each kind where it has them."""
+    model = load_model(str(inputs["llama"]))
+    cluster = load_cluster(str(inputs["cluster"]))
+    shutil.copy(profiled, tmp_path / "p.sqlite")
+    db = ProfileDB(tmp_path / "p.sqlite")
+    db.put_link("cpu", "allreduce", 0.002, 5e7)
+    path = write_plan(tmp_path / "z1.json", DP2, zero_stage=1, precision="fp16")
+    plan = load_plan(path)
+    p = model.total_params()  # untied: every parameter once
+    est = estimate(plan, model, cluster, profile=ProfileDB(tmp_path / "p.sqlite"))
+    # reduce-scatter: 4p/2 bytes sent; all-gather: 2p/2; a 0.002 s ring step each
+    assert est.stages[0].grad_sync_s == pytest.approx(2 * p / 5e7 + p / 5e7 + 2 * 0.002)
+    db.put_link("cpu", "reduce_scatter", 0.003, 4e7)
+    db.put_link("cpu", "allgather", 0.001, 1e8)
+    est = estimate(plan, model, cluster, profile=ProfileDB(tmp_path / "p.sqlite"))
+    assert est.stages[0].grad_sync_s == pytest.approx(0.003 + 2 * p / 4e7 + 0.001 + p / 1e8)
+
+
 def test_estimate_uses_measured_zero3_layers(
     inputs: dict[str, Path], profiled: Path, tmp_path: Path, write_plan: Any
 ) -> None:
@@ -167,6 +190,9 @@ def test_profile_with_links_measures_gloo(
         assert figures is not None and figures[0] >= 0 and figures[1] > 0
     over = db.link_figures(gpu, "pipeline")
     assert over is not None and over[0] >= 0
+    for kind in ("allgather", "reduce_scatter"):  # ZeRO's collectives as the runtime runs them
+        figures = db.link_figures(gpu, kind)
+        assert figures is not None and figures[0] >= 0 and figures[1] > 0
     assert db.part_times(gpu, model, "tp_comm", 2, 2, "fp32") is not None
     assert db.part_times(gpu, model, "tp_comm", 1, 2, "fp32") is None  # no collectives
     assert db.part_times(gpu, model, "tp_comm_sp", 2, 2, "fp32") is not None
@@ -178,3 +204,19 @@ def test_profile_with_links_measures_gloo(
     assert ring is not None
     grads = model.total_params() * 4.0
     assert est.stages[0].grad_sync_s == pytest.approx(grads / ring[1] + 2 * ring[0])
+
+
+def test_stored_ring_figures_price_the_measured_line(inputs: dict[str, Path], tmp_path: Path):
+    """A collective measured among the profile's ranks as latency + bytes / rate is priced
+    at exactly that again for a group of that size (4 devices here)."""
+    node = load_cluster(str(inputs["cluster"])).nodes[0]
+    db = ProfileDB(tmp_path / "p.sqlite")
+    # 4 ranks: all-reduce 2*3 steps moving 6/4 of the buffer; all-gather 3 steps, 3/4
+    db.put_link("cpu", "allreduce", *ring_figures(1e-3, 1e8, 6, 1.5))
+    db.put_link("cpu", "allgather", *ring_figures(2e-3, 5e7, 3, 0.75))
+    db.put_link("cpu", "reduce_scatter", *ring_figures(4e-3, 2e7, 3, 0.75))
+    params = default_params().with_profile(db)
+    size = 4e6
+    assert comm.intra_node_allreduce_s(size, 4, node, params) == pytest.approx(1e-3 + 0.04)
+    assert comm.group_allgather_s(size, [node] * 4, params) == pytest.approx(2e-3 + 0.08)
+    assert comm.group_reduce_scatter_s(size, [node] * 4, params) == pytest.approx(4e-3 + 0.2)

@@ -75,8 +75,8 @@ def test_explain_reports_stages_replicas_and_bottleneck():
     res = search_heterogeneous(TINY, cluster, 16, "fp16")
     plan = res.ranked[0][0]
     ex = explain(plan, TINY, cluster)
-    assert sum(s["layers"] for s in ex["stages"]) == TINY.layers * plan.dp
-    assert sum(r["batch_size"] for r in ex["replicas"]) == 16
+    assert sum(s["layers"] * s["count"] for s in ex["stages"]) == TINY.layers * plan.dp
+    assert sum(r["batch_size"] * r["count"] for r in ex["replicas"]) == 16
     assert all(s["headroom_gb"] >= 0 for s in ex["stages"])
     assert ex["iteration_time_s"] == pytest.approx(res.ranked[0][1].iteration_time_s)
     assert len(explain_table(ex)) == 3

@@ -138,3 +138,31 @@ def test_spot_provisioning_bounds_hold_and_use_the_plan_checkpoint():
         slow = slowdowns(*mixed_load(loads), terms, checkpoint_time_s(p.plan, model))
         assert p.estimate is not None and slow > 1.0
         assert p.time_to_train_s == pytest.approx(1e9 / p.estimate.tokens_per_s * slow)
+
+
+def test_checkpoint_floor_by_hand_and_below_every_ranked_plan():
+    """gpt2: 12 layers, the embedding and the head are 14 shards. On n nodes the fullest
+    node holds at least the mean over the nodes; one pipeline spreads every shard over at
+    most 14 stages, each stage's shards all on each of its nodes, so some node holds at
+    least the total over 14, and at least the largest shard (the embedding)."""
+    from hetplan.search.homogeneous import search_homogeneous
+
+    model = load_model("gpt2")
+    sizes = shard_bytes(model)
+    total, largest = sum(sizes.values()), max(sizes.values())
+    assert len(sizes) == 14
+    assert largest > total / 14  # gpt2's embedding (50257 x 768) outweighs a mean shard
+    for nodes, want in ((1, total), (2, total / 2), (30, largest), (1000, largest)):
+        assert float(checkpoint_floor_s(model, nodes)) == pytest.approx(want / 2e9, rel=1e-12)
+    cluster = cluster_from_dict({"nodes": [{"gpu": "T4", "gpus": 2, "count": 4}]})
+    found = search_homogeneous(model, cluster, 32, "fp16", top_k=40)
+    assert len(found.ranked) >= 10
+    floor = float(checkpoint_floor_s(model, 4))
+    assert floor == pytest.approx(total / 4 / 2e9, rel=1e-12)
+    from hetplan.elastic.placement import stage_units
+
+    for plan, _ in found.ranked:
+        # every plan holds every shard once (uneven interleaved chunks included)
+        held = set().union(*(us for pipe in stage_units(plan, model) for us in pipe))
+        assert len(held) == len(sizes)
+        assert floor <= checkpoint_time_s(plan, model) * (1 + 1e-12)

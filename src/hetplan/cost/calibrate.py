@@ -562,6 +562,7 @@ def shipped_files() -> list[Path]:
         "amp_t4_homogeneous.csv",
         "sharded_dp_published.csv",
         "bloom_published.csv",
+        "nemo_gpt3_175b_published.csv",
     )
     return [root / name for name in names]
 

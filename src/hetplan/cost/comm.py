@@ -36,8 +36,31 @@ def intra_node_allreduce_s(size_bytes: float, n: int, node: Node, params: CostPa
     )
 
 
-def intra_node_allgather_s(size_bytes: float, n: int, node: Node, params: CostParams) -> float:
-    """Returns a ring all-gather (or reduce-scatter) time of ``size_bytes`` among ``n`` GPUs."""
+def ring_allgather_bytes(size_bytes: float, n: int) -> float:
+    """Returns the bytes each member sends in a ring all-gather (or reduce-scatter) of a
+    ``size_bytes`` buffer: (n-1)/n of it, half an all-reduce's."""
+    return (n - 1) / n * size_bytes if n > 1 else 0.0
+
+
+HALF_COLLECTIVES = ("allgather", "reduce_scatter")
+"""Collectives that move half an all-reduce's ring volume, each with its own measured link
+figures where the profile has them (``hetplan profile --links``)."""
+
+
+def intra_node_half_s(
+    size_bytes: float, n: int, node: Node, params: CostParams, kind: str
+) -> float:
+    """Returns a ring all-gather or reduce-scatter (``kind``) time of a ``size_bytes``
+    buffer (the gathered whole, or the whole before scattering) among ``n`` GPUs of one
+    node: the profile's measured figures of that kind (latency per ring step, bus bytes/s)
+    where it has them, else half an all-reduce of the buffer."""
+    if kind not in HALF_COLLECTIVES:
+        raise ValueError(f"unknown collective {kind!r}")
+    if n <= 1:
+        return 0.0
+    ring = params.compute.ask("link_figures", node.gpu, kind)
+    if ring is not None:  # n-1 ring steps
+        return ring_allgather_bytes(size_bytes, n) / ring[1] + (n - 1) * ring[0]
     return intra_node_allreduce_s(size_bytes, n, node, params) / 2.0
 
 
@@ -53,7 +76,8 @@ def group_allreduce_s(
     ``members`` lists each participant's node (one entry per device). ``node_concurrency``
     gives, per node name, how many of its devices talk across nodes at the same time (they
     share its network link); default: this group's own members on the node. ``volume``
-    scales the traffic (0.5 for an all-gather or a reduce-scatter alone, 1.5 for ZeRO-3).
+    scales the traffic (an all-gather or a reduce-scatter alone: ``group_allgather_s``,
+    ``group_reduce_scatter_s``).
     Across nodes it is a reduce-scatter inside each node, an all-reduce of the shards across
     nodes (the node's link shared by its concurrent talkers), then an all-gather inside.
     """
@@ -90,6 +114,44 @@ def group_allreduce_s(
     # NCCL pipelines chunks through the intra- and inter-node hops at once: the slower
     # phase sets the time, not their sum
     return volume * (max(intra, inter) + latency)
+
+
+def group_allgather_s(
+    size_bytes: float,
+    members: Sequence[Node],
+    params: CostParams,
+    node_concurrency: dict[str, int] | None = None,
+) -> float:
+    """Returns the time of an all-gather of a ``size_bytes`` buffer among ``members`` (see
+    ``group_allreduce_s``): inside one node the measured all-gather where the profile has
+    it, else (and across nodes) half the hierarchical all-reduce's volume."""
+    return _group_half_s(size_bytes, members, params, node_concurrency, "allgather")
+
+
+def group_reduce_scatter_s(
+    size_bytes: float,
+    members: Sequence[Node],
+    params: CostParams,
+    node_concurrency: dict[str, int] | None = None,
+) -> float:
+    """Returns the time of a reduce-scatter of a ``size_bytes`` buffer among ``members``,
+    as ``group_allgather_s`` with the profile's reduce-scatter figures."""
+    return _group_half_s(size_bytes, members, params, node_concurrency, "reduce_scatter")
+
+
+def _group_half_s(
+    size_bytes: float,
+    members: Sequence[Node],
+    params: CostParams,
+    node_concurrency: dict[str, int] | None,
+    kind: str,
+) -> float:
+    n = len(members)
+    if n <= 1 or size_bytes <= 0:
+        return 0.0
+    if len({m.name for m in members}) == 1:
+        return intra_node_half_s(size_bytes, n, members[0], params, kind)
+    return group_allreduce_s(size_bytes, members, params, node_concurrency, 0.5)
 
 
 def p2p_s(

@@ -11,6 +11,8 @@ from hetplan.cluster import Cluster, Node
 from hetplan.cost import comm
 from hetplan.cost.memory import (
     MemoryBreakdown,
+    deferred_state_bytes,
+    even_chunks,
     stage_activation_bytes,
     stage_params,
     state_bytes,
@@ -20,7 +22,7 @@ from hetplan.cost.money import MoneyParts, node_parts
 from hetplan.cost.params import CostParams, default_params
 from hetplan.cost.pipeline_classes import pipeline_classes
 from hetplan.cost.schedule import Replay, held_layers, peak_in_flight, pipeline_replay, replay
-from hetplan.cost.sharding import bucket_count, exposed_sync_s, zero3_exposed_s
+from hetplan.cost.sharding import bucket_count, deferred_sync, exposed_sync_s, zero3_exposed_s
 from hetplan.cost.sources import ComputeSource, LayerTimeSource, combine_sources
 from hetplan.cost.trust import warnings_for
 from hetplan.hardware import GPUType
@@ -380,17 +382,17 @@ def sharded_microbatch_s(
 
     ``group``: the nodes of the stage's data-parallel group; ``forward_s``/``backward_s``:
     the stage's per-micro-batch forward and backward-side compute they can hide under."""
-    if plan.zero_stage < 2 or len(group) <= 1:
+    if plan.zero_stage < 2 or len(group) <= 1 or deferred_sync(plan):
         return 0.0, 0.0
     e = element_bytes(plan.precision)
     total = stage_params(model, layers, tp, first, last, single)
     share = params.gpu(group[0].gpu.name).grad_overlap
 
     def gather(n: float) -> float:  # all-gather of n parameters
-        return comm.group_allreduce_s(n * e, group, params, concurrency, 0.5)
+        return comm.group_allgather_s(n * e, group, params, concurrency)
 
     def scatter(n: float) -> float:  # reduce-scatter of n parameters' gradients
-        return comm.group_allreduce_s(n * GRAD_BYTES, group, params, concurrency, 0.5)
+        return comm.group_reduce_scatter_s(n * GRAD_BYTES, group, params, concurrency)
 
     if plan.zero_stage == 3:
         per_layer = model.layer_params() / tp
@@ -535,22 +537,32 @@ data, are ranked better with fp32 volumes, so 4 bytes stays.)"""
 
 
 def grad_sync_times(layout: SyncLayout, plan: Plan, params: CostParams) -> list[float]:
-    """Returns, per layer segment of ``layout``, the time of its gradient all-reduce once per
-    step (ZeRO-1's reduce-scatter and parameter all-gather move the same volume); zero where
-    one replica holds it, and under ZeRO-2/3, which reduce every micro-batch
-    (``sharded_microbatch_s``)."""
+    """Returns, per layer segment of ``layout``, the time of its gradient sync once per
+    step: an all-reduce of the fp32 gradients; under ZeRO-1, and ZeRO-2/3 deferred by
+    pipelining to ZeRO-1's once a step (``deferred_sync``), a reduce-scatter of the fp32
+    gradients and an all-gather of the updated parameters in the plan's precision (ring
+    volumes: 4/8 + e/8 of the fp32 all-reduce); zero where one replica holds it, and under
+    ZeRO-2/3 otherwise, which reduce every micro-batch (``sharded_microbatch_s``)."""
     out = []
+    sharded = plan.zero_stage == 1 or deferred_sync(plan)
+    e = element_bytes(plan.precision)
     for (n_params, holders), per_rank in zip(layout.groups, layout.members, strict=True):
-        if len(holders) <= 1 or plan.zero_stage >= 2:  # ZeRO-2/3: every micro-batch
+        if len(holders) <= 1 or (plan.zero_stage >= 2 and not deferred_sync(plan)):
             out.append(0.0)
             continue
         tp_min = len(per_rank)
+        n = n_params / tp_min
+        conc = layout.concurrency
         times: dict[int, float] = {}  # ranks on the same nodes share one list: once each
         for members in per_rank:
-            if id(members) not in times:
-                times[id(members)] = comm.group_allreduce_s(
-                    n_params * GRAD_BYTES / tp_min, members, params, layout.concurrency
-                )
+            if id(members) in times:
+                continue
+            if sharded:
+                t = comm.group_reduce_scatter_s(n * GRAD_BYTES, members, params, conc)
+                t += comm.group_allgather_s(n * e, members, params, conc)
+            else:
+                t = comm.group_allreduce_s(n * GRAD_BYTES, members, params, conc)
+            times[id(members)] = t
         out.append(max(times.values()))
     return out
 
@@ -595,6 +607,7 @@ def estimate(
 
     dp = plan.dp
     v = plan.virtual_stages
+    deferred = deferred_sync(plan)
     if layout is None:
         layout = sync_layout(plan, model, node_of)
     act_memo: dict[tuple[Any, ...], float] = {}
@@ -638,7 +651,7 @@ def estimate(
             fwd, bwd, rc, tpc, over, src = hit
             p_local = stage_params(model, stage.layers, stage.tp, first, last, p == 1)
             zero_mb = param_gather = 0.0
-            if plan.zero_stage >= 2 and (r, j) in dp_members:
+            if plan.zero_stage >= 2 and (r, j) in dp_members and not deferred:
                 group = dp_members[(r, j)]
                 gkey = (id(group), stage.layers, stage.tp, first, last, fwd, bwd + rc + tpc)
                 if gkey not in gather_memo:
@@ -654,15 +667,20 @@ def estimate(
                 send = comm.p2p_s(act / stage.tp, node, nxt, params, conc)
             else:
                 send = 0.0
-            w, g, o = state_bytes(p_local, plan.precision, plan.zero_stage, dp)
-            if plan.zero_stage == 3 and dp > 1:
+            if deferred:  # ZeRO-2/3 with pipelining as PyTorch runs them (cost.sharding)
+                w, g, o = deferred_state_bytes(p_local, plan.precision, dp)
+            else:
+                w, g, o = state_bytes(p_local, plan.precision, plan.zero_stage, dp)
+            if plan.zero_stage == 3 and dp > 1 and not deferred:
                 w += zero3_working_bytes(model, stage.tp, plan.precision)
             units = peak_in_flight(plan.schedule, p, m, v, j)
             uneven = uneven_chunks(stage, v)
-            akey = (stage.tp, stage.layers, first, last, units, uneven)
+            akey = (stage.tp, stage.layers, first, last, units, uneven, m)
             acts = act_memo.get(akey, -1.0)
             if acts < 0:
-                held = held_layers(plan.schedule, p, m, j, uneven) if uneven else None
+                # the first stage's embedding outputs: counted from the action order
+                chunks = uneven or (even_chunks(stage.layers, v) if first else None)
+                held = held_layers(plan.schedule, p, m, j, chunks) if chunks else None
                 acts = act_memo[akey] = stage_activation_bytes(
                     model, stage.layers, stage.tp, plan.micro_batch_size,
                     plan.sequence_parallel, plan.recompute, plan.flash_attention, first, last,

@@ -66,6 +66,22 @@ def state_bytes(
     return weights * params_local, grads * params_local, opt * params_local
 
 
+SHARD_GRAD_BYTES = 4.0
+"""FSDP's reduce-scattered gradient shard: fp32 (torchtitan reduces in fp32)."""
+
+
+def deferred_state_bytes(
+    params_local: float, precision: str, dp: int
+) -> tuple[float, float, float]:
+    """Returns (weights, grads, optimizer) bytes of ZeRO-2/3 with pipelining as PyTorch
+    runs it (``sharding.deferred_sync``): the parameters gathered and held through the step
+    and the gradients accumulated whole in fp32 (FSDP2 upcasts its accumulation to the
+    reduce dtype), so ZeRO-1's table, plus the fp32 gradient shard each rank keeps after the
+    one reduce-scatter of the step for the optimizer: never less than ZeRO-1."""
+    w, g, o = state_bytes(params_local, precision, 1, dp)
+    return w, g + SHARD_GRAD_BYTES * params_local / dp, o
+
+
 def stage_activation_bytes(
     model: ModelSpec,
     layers: int,
@@ -98,6 +114,16 @@ def stage_activation_bytes(
                                     in_flight, v, held)  # fmt: skip
 
 
+def even_chunks(layers: int, v: int) -> tuple[int, ...] | None:
+    """Returns a stage's ``v`` equal chunks for ``schedule.held_layers`` where interleaved
+    (v > 1), else None. The first stage needs them: its embedding outputs live per chunk-0
+    micro-batch, and the action order, not ``in_flight / v``, says how many are held (with
+    p = 4, v = 2, m = 8, its 11 chunks in flight at the peak include chunk 0 of all 8)."""
+    if v <= 1 or layers % v:
+        return None
+    return (layers // v,) * v
+
+
 def combine_activation_bytes(
     layers: int,
     layer_bytes: float,
@@ -114,8 +140,9 @@ def combine_activation_bytes(
 
     ``working_bytes``: under full recomputation, the layer being recomputed holds its full
     activations during its backward (0 otherwise). ``held``: where chunks differ in size,
-    the (layers, chunk-0 micro-batches) held at the candidate peaks of the stage's action
-    order (``schedule.held_layers``); None: ``in_flight`` chunks of ``layers / v`` layers.
+    and on an interleaved first stage (``even_chunks``), the (layers, chunk-0 micro-batches)
+    held at the candidate peaks of the stage's action order (``schedule.held_layers``);
+    None: ``in_flight`` chunks of ``layers / v`` layers.
     """
     if held is not None:
         out = max(a * layer_bytes + (b * embed_bytes if first else 0.0) for a, b in held)

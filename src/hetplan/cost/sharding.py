@@ -10,14 +10,33 @@ collective per layer per micro-batch (latency paid each time), prefetched one la
 Ring volumes per member (Rajbhandari et al. 2020): all-gather and reduce-scatter each
 (n-1)/n of the data, so ZeRO-3 moves 3x the parameters per micro-batch where plain data
 parallelism moves 2x once per step.
+
+With pipelining, no framework runs ZeRO-2/3 that way. DeepSpeed's pipeline engine refuses
+them (``deepspeed/runtime/pipe/engine.py``, ``PipelineEngine.__init__``: "ZeRO-2 and ZeRO-3
+are incompatible with pipeline parallelism"). PyTorch's pipelining stages, which torchtitan
+runs with FSDP2, turn off FSDP's gradient sync and resharding for every micro-batch but the
+last (``torch/distributed/pipelining/stage.py``, ``backward_maybe_with_nosync``:
+``set_requires_gradient_sync(False)``, ``set_reshard_after_backward(False)``), and
+torchtitan also keeps the parameters gathered after the forward when pipelining. Such a
+stage gathers its parameters once, holds them and its gradients whole through the step and
+reduce-scatters once after the last backward: ZeRO-1's traffic (``deferred_sync``).
 """
 
 from __future__ import annotations
 
 import math
 
+from hetplan.plan import Plan
+
 BUCKET_PARAMS = 40e6
 """Gradient bucket of Megatron-Core's DDP: max(40M, 1M x DP) parameters."""
+
+
+def deferred_sync(plan: Plan) -> bool:
+    """Returns whether the plan's ZeRO-2/3 run as PyTorch's pipelining runs them: some
+    pipeline has several stages, so gradients and parameters stay whole until the last
+    micro-batch and the step moves ZeRO-1's bytes once (module docstring)."""
+    return plan.zero_stage >= 2 and plan.dp > 1 and any(len(p.stages) > 1 for p in plan.pipelines)
 
 
 def bucket_count(params_local: float, dp: int) -> int:

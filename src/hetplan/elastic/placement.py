@@ -49,7 +49,7 @@ def stage_units(plan: Plan, model: ModelSpec) -> list[list[set[str]]]:
         start = 0
         for c in range(v):
             for j, stage in enumerate(pipe.stages):
-                n = stage.layers // v
+                n = stage.chunk_layers(v)[c]  # uneven chunks (Stage.chunks) too
                 units[j].update(layer_unit(i) for i in range(start, start + n))
                 start += n
                 if c == 0 and j == 0:

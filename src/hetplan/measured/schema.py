@@ -150,10 +150,12 @@ def is_part(name: str) -> bool:
 
 OPTIMIZER_PARTS = ("layer", "embed", "head")
 """Pieces whose optimizer step is stored: one transformer layer, the embedding, the head."""
-LINKS = ("p2p", "allreduce", "pipeline")
+LINKS = ("p2p", "allreduce", "pipeline", "allgather", "reduce_scatter")
 """Measured link figures: point-to-point (one-way latency, bytes/s), ring all-reduce of a
-gradient buffer as the runtime syncs one (latency per ring step, bus bytes/s) and the
-pipelining runtime's overhead per action (latency)."""
+gradient buffer as the runtime syncs one (latency per ring step, bus bytes/s), the
+pipelining runtime's overhead per action (latency), and ZeRO's all-gather of the
+parameters and reduce-scatter of the gradients as the runtime issues them (latency per
+ring step, bus bytes/s; profiles without them price both as half an all-reduce)."""
 
 
 @dataclass(frozen=True)

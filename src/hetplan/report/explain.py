@@ -14,20 +14,31 @@ from hetplan.plan import Plan
 
 
 def explain(
-    plan: Plan, model: ModelSpec, cluster: Cluster, params: CostParams | None = None
+    plan: Plan,
+    model: ModelSpec,
+    cluster: Cluster,
+    params: CostParams | None = None,
+    expand: bool = False,
 ) -> dict[str, Any]:
     """Returns a JSON-ready explanation: stages (with where their compute times came from),
     replicas, the bottleneck, the estimate's warnings and peaks, and the fitted terms of the
-    GPU types the plan uses (when the parameters carry them)."""
+    GPU types the plan uses (when the parameters carry them).
+
+    Pipelines the estimate costs as one (same stages on the same hardware) are listed once,
+    with ``count`` saying how many pipelines repeat them, so 2,048 identical pipelines read
+    as one entry; ``expand`` lists every pipeline and stage."""
     params = params or default_params()
     est = estimate(plan, model, cluster, params)
+    counts = est.replicas if est.pipeline_class else {r: 1 for r in range(plan.dp)}
+    listed = est.stages if expand else est.distinct_stages
     stages = []
-    for st in est.stages:
+    for st in listed:
         pipe = plan.pipelines[st.pipeline]
         start, end = pipe.layer_ranges()[st.stage]
         stages.append(
             {
                 "pipeline": st.pipeline,
+                "count": 1 if expand else counts.get(st.pipeline, 1),
                 "stage": st.stage,
                 "gpu": st.gpu,
                 "devices": list(st.devices),
@@ -46,13 +57,17 @@ def explain(
                 "end_s": st.end_s,
             }
         )
+    by_pipe: dict[int, list[Any]] = {}
+    for st in listed:
+        by_pipe.setdefault(st.pipeline, []).append(st)
     replicas = []
-    for r, pipe in enumerate(plan.pipelines):
-        own = [s for s in est.stages if s.pipeline == r]
+    for r, own in by_pipe.items():
+        pipe = plan.pipelines[r]
         slow = max(own, key=lambda s: s.per_micro_batch_s)
         replicas.append(
             {
                 "pipeline": r,
+                "count": 1 if expand else counts.get(r, 1),
                 "batch_size": pipe.batch_size,
                 "batch_share": pipe.batch_size / plan.global_batch_size,
                 "micro_batches": plan.num_micro_batches(pipe),
@@ -63,9 +78,9 @@ def explain(
                 "slowest_stage": slow.stage,
             }
         )
-    crit = max(est.stages, key=lambda s: s.end_s)
-    ends = [max(s.end_s for s in est.stages if s.pipeline == r) for r in range(plan.dp)]
-    used = sorted({st.gpu for st in est.stages})
+    crit = max(est.distinct_stages, key=lambda s: s.end_s)
+    ends = [rep["end_s"] for rep in replicas]
+    used = sorted({st.gpu for st in est.distinct_stages})
     all_terms = params.fit_report.get("terms", {})
     terms = {g: all_terms[g] for g in used if isinstance(all_terms.get(g), dict)}
     return {
@@ -75,6 +90,7 @@ def explain(
         "peak_used": est.peak_used,
         "warnings": est.warnings,
         "fitted_terms": terms,
+        "pipelines": plan.dp,
         "stages": stages,
         "replicas": replicas,
         "bottleneck": {
@@ -96,6 +112,7 @@ def explain_table(explanation: dict[str, Any]) -> list[Table]:
     stages = Table(title="Stages", caption=f"peak: {caption}" if caption else None)
     for col in (
         "pipe",
+        "copies",
         "stage",
         "GPU",
         "devices",
@@ -114,6 +131,7 @@ def explain_table(explanation: dict[str, Any]) -> list[Table]:
         mark = " *" if (st["pipeline"], st["stage"]) == (crit["pipeline"], crit["stage"]) else ""
         stages.add_row(
             str(st["pipeline"]),
+            str(st.get("count", 1)),
             f"{st['stage']}{mark}",
             st["gpu"],
             shown,
@@ -124,11 +142,23 @@ def explain_table(explanation: dict[str, Any]) -> list[Table]:
             f"{st['headroom_gb']:.1f}",
         )
     reps = Table(title="Replicas")
-    for col in ("pipe", "batch", "share", "micro-batches", "stages", "GPUs", "time s", "ends s"):
+    cols = (
+        "pipe",
+        "copies",
+        "batch",
+        "share",
+        "micro-batches",
+        "stages",
+        "GPUs",
+        "time s",
+        "ends s",
+    )
+    for col in cols:
         reps.add_column(col, justify="left" if col == "GPUs" else "right")
     for rep in explanation["replicas"]:
         reps.add_row(
             str(rep["pipeline"]),
+            str(rep.get("count", 1)),
             str(rep["batch_size"]),
             f"{rep['batch_share']:.1%}",
             str(rep["micro_batches"]),

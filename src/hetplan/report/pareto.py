@@ -22,7 +22,7 @@ def point_json(p: Point) -> dict[str, Any]:
         "time_to_train_s": p.time_to_train_s,
         "total_cost_usd": p.total_cost_usd,
         "usd_per_hour": p.usd_per_hour,
-        "plan": None if p.plan is None else p.plan.to_dict(),
+        "plan": None if p.plan is None else p.plan.to_dict(compact=True),
         "iteration_time_s": None if p.estimate is None else p.estimate.iteration_time_s,
         "mfu": None if p.estimate is None else p.estimate.mfu,
         "cost_parts_usd_per_hour": None

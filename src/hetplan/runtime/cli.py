@@ -242,7 +242,9 @@ def profile(
     links: Annotated[
         bool,
         typer.Option(
-            "--links", help="CPU: also measure gloo p2p, all-reduce and pipelining overheads."
+            "--links",
+            help="CPU: also measure gloo p2p, all-reduce, all-gather, reduce-scatter and "
+            "pipelining overheads.",
         ),
     ] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,

@@ -4,6 +4,12 @@ every replica). FSDP gathers a layer's parameters before its forward and backwar
 reduce-scatters its gradients, micro-batch by micro-batch, summing (not averaging): every
 micro-batch loss is already scaled by its share of the global batch.
 
+With a multi-stage pipeline the layers run as PyTorch's pipelining runs FSDP2 and as the
+cost model prices it (``cost.sharding.deferred_sync``): gathered at the step's first
+forward and held (``reshard_after_forward=False``), gradients kept whole and accumulated
+with no sync for every micro-batch's backward but the last, which reduce-scatters them and
+reshards (``DeferredStage`` in ``pipeline.py`` sets the flags per backward).
+
 The embedding and head stay whole (their optimizer state is sharded as ZeRO-1/2, see
 ``optim.py``): a tied token table is held by the first and the last stage, which run at
 different times of the pipeline step, so gathering it across them would deadlock.
@@ -17,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
 
 from hetplan.runtime.layout import SyncGroup, layer_unit
@@ -42,10 +48,14 @@ class GlooReduceScatter(DefaultReduceScatter):
 
 
 def shard_layers(
-    modules: list[nn.Module], sync: list[tuple[SyncGroup, Any]], device: torch.device
+    modules: list[nn.Module],
+    sync: list[tuple[SyncGroup, Any]],
+    device: torch.device,
+    deferred: bool = False,
 ) -> list[str]:
     """Applies fully_shard to every layer of ``modules`` held by more than one rank; returns
-    the sharded units."""
+    the sharded units. ``deferred``: held gathered from the first forward to the last
+    backward (a multi-stage pipeline, see the module docstring)."""
     by_unit = {u: pg for sg, pg in sync if sg.sharded for u in sg.units}
     meshes: dict[int, DeviceMesh] = {}
     done: list[str] = []
@@ -59,15 +69,21 @@ def shard_layers(
             mesh = meshes.get(id(pg))
             if mesh is None:
                 mesh = meshes[id(pg)] = DeviceMesh.from_group(pg, device.type)
-            shard_block(block, pg, device, mesh)
+            shard_block(block, pg, device, mesh, reshard_after_forward=not deferred)
             done.append(unit)
     return done
 
 
-def shard_block(block: nn.Module, pg: Any, device: torch.device, mesh: Any = None) -> None:
+def shard_block(
+    block: nn.Module,
+    pg: Any,
+    device: torch.device,
+    mesh: Any = None,
+    reshard_after_forward: bool = True,
+) -> None:
     """Shards one layer over ``pg`` as ZeRO-3 runs it (the profile times the same)."""
     mesh = mesh or DeviceMesh.from_group(pg, device.type)
-    fully_shard(block, mesh=mesh, reshard_after_forward=True)
+    fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward)
     block.set_gradient_divide_factor(1.0)  # type: ignore[operator]
     block.set_force_sum_reduction_for_comms(True)  # type: ignore[operator]
     if dist.get_backend(pg) == "gloo":
@@ -77,3 +93,19 @@ def shard_block(block: nn.Module, pg: Any, device: torch.device, mesh: Any = Non
 def is_sharded(t: torch.Tensor) -> bool:
     """Returns whether ``t`` is a DTensor (an FSDP-sharded parameter or state)."""
     return hasattr(t, "device_mesh") and hasattr(t, "to_local")
+
+
+def sharded_layers(module: nn.Module) -> list[FSDPModule]:
+    """Returns the ``fully_shard``ed layers inside ``module``."""
+    return [m for m in module.modules() if isinstance(m, FSDPModule)]
+
+
+def set_deferred_sync(layers: list[FSDPModule], last_backward: bool) -> None:
+    """Before a micro-batch's backward: gradients accumulate whole and the parameters stay
+    gathered, unless it is the step's last backward, which reduce-scatters and reshards
+    (torch's ``PipelineStage.backward_maybe_with_nosync`` for a stage that is itself
+    sharded; here the stage's layers are)."""
+    for m in layers:
+        m.set_is_last_backward(last_backward)
+        m.set_requires_gradient_sync(last_backward)
+        m.set_reshard_after_backward(last_backward)

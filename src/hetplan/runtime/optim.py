@@ -2,12 +2,12 @@
 sharding of the optimizer state (and gradients), loss-scale unscaling, gradient clipping
 on the global norm, the learning-rate schedule and AdamW.
 
-ZeRO-1 and -2 use ``ZeroRedundancyOptimizer`` on each sync group (the ranks that hold the
-same units at the same tensor-parallel index, whatever the replicas' batch shares): each
-member keeps the AdamW state of its part of the group's parameters and broadcasts them
-after its step. ZeRO-1 all-reduces the gradients; ZeRO-2 reduces each one to the rank that
-updates it and frees it elsewhere. ZeRO-3 shards the layers with FSDP (``fsdp.py``); their
-gradients arrive reduce-scattered and AdamW updates each rank's shard.
+ZeRO-1 and -2 shard each sync group (the ranks that hold the same units at the same
+tensor-parallel index, whatever the replicas' batch shares) as Megatron-Core's distributed
+optimizer does: flat fp32 buffers, a reduce-scatter of the gradients into each member's
+contiguous shard (ZeRO-1 once per step, ZeRO-2 every micro-batch), AdamW on the shard and
+an all-gather of the updated parameters (``zero.py``). ZeRO-3 shards the layers with FSDP
+(``fsdp.py``); their gradients arrive reduce-scattered and AdamW updates each rank's shard.
 """
 
 from __future__ import annotations
@@ -16,34 +16,15 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from hetplan.runtime.fsdp import is_sharded
 from hetplan.runtime.grad_sync import LocalParam, sync_grads
 from hetplan.runtime.layout import RankPlace, RuntimeLayout, SyncGroup
 from hetplan.runtime.optim_config import OptimConfig, adamw_kwargs, clip_coefficient, lr_at
 from hetplan.runtime.precision import LossScaler
+from hetplan.runtime.zero import STATE_KEYS, ZeroBucket, buckets_of
 
-STATE_KEYS = ("exp_avg", "exp_avg_sq")
-
-
-class _Zero:
-    """One ZeroRedundancyOptimizer over a sync group's parameters."""
-
-    def __init__(self, params: list[LocalParam], pg: Any, sg: SyncGroup, cfg: OptimConfig):
-        self.params = sorted(params, key=lambda lp: lp.name)  # the same order on every member
-        self.pg, self.sg = pg, sg
-        self.opt = ZeroRedundancyOptimizer(
-            [lp.param for lp in self.params],
-            optimizer_class=torch.optim.AdamW,
-            process_group=pg,
-            **adamw_kwargs(cfg),
-        )
-        # the partition is ZeroRedundancyOptimizer's own (by parameter size, greedy)
-        to_rank: dict[Any, int] = self.opt._param_to_rank  # type: ignore[attr-defined]
-        self.owner = {
-            id(lp.param): dist.get_global_rank(pg, to_rank[lp.param]) for lp in self.params
-        }
+__all__ = ["STATE_KEYS", "PlanOptimizer"]
 
 
 class PlanOptimizer:
@@ -61,40 +42,72 @@ class PlanOptimizer:
         sequence_parallel: bool,
         scaler: LossScaler,
         device: torch.device,
+        deferred: bool = False,
     ) -> None:
+        """``deferred``: ZeRO-2 runs as ZeRO-1 (``cost.sharding.deferred_sync``: pipelined
+        plans)."""
         self.params, self.sync, self.zero_stage, self.cfg = params, sync, zero_stage, cfg
         self.layout, self.place, self.tp_group = layout, place, tp_group
         self.seq_par, self.scaler, self.device = sequence_parallel, scaler, device
         self.rank = dist.get_rank()
-        self.zeros: list[_Zero] = []
-        in_zero: set[int] = set()
+        self.buckets: list[ZeroBucket] = []
+        self.bucket_of: dict[int, ZeroBucket] = {}
+        zero_groups: set[int] = set()
+        mode = 1 if zero_stage == 2 and deferred else zero_stage
+        self.per_micro_batch = mode == 2
         if zero_stage > 0:
             for sg, pg in sync:
-                mine = [
-                    lp
-                    for lp in params
-                    if lp.sync_unit in sg.units and not is_sharded(lp.param) and sg.sharded
-                ]
-                if mine:
-                    self.zeros.append(_Zero(mine, pg, sg, cfg))
-                    in_zero.update(id(lp.param) for lp in mine)
-        self.zero_params = in_zero
-        rest = [lp.param for lp in params if id(lp.param) not in in_zero]
+                if not sg.sharded:
+                    continue
+                most = max(layout.places[r].micro_batches for r in sg.ranks)
+                for units in buckets_of(layout, sg):
+                    mine = [
+                        lp for lp in params if lp.sync_unit in units and not is_sharded(lp.param)
+                    ]
+                    if not mine:
+                        continue
+                    if mode == 2 and sequence_parallel and tp_group is not None:
+                        self._check_tp_aligned(sg)
+                    b = ZeroBucket(mine, pg, mode, most, cfg)
+                    self.buckets.append(b)
+                    self.bucket_of.update((id(lp.param), b) for lp in mine)
+                    zero_groups.add(id(sg))
+        self.zero_groups = zero_groups
+        rest = [lp.param for lp in params if id(lp.param) not in self.bucket_of]
         self.plain = torch.optim.AdamW(rest, **adamw_kwargs(cfg)) if rest else None
-        self.stepped = False
         self._full: dict[int, tuple[torch.Tensor, dict[str, Any]]] = {}
+
+    def _check_tp_aligned(self, sg: SyncGroup) -> None:
+        """ZeRO-2 with sequence parallelism sums the shards' replicated gradients over the
+        TP group: each TP peer must hold the same shard of its own group."""
+        me = sg.ranks.index(self.rank)
+        for q in self.place.tp_ranks:
+            g = next(g for g in self.layout.sync_groups if q in g.ranks and sg.units[0] in g.units)
+            if g.ranks.index(q) != me:
+                raise RuntimeError(
+                    f"ZeRO-2 with sequence parallelism: rank {q} is member {g.ranks.index(q)} "
+                    f"of its data-parallel group, rank {self.rank} member {me}"
+                )
 
     # ---- the step -------------------------------------------------------------------
     def zero_grad(self) -> None:
-        """Drops every gradient."""
+        """Drops every gradient; the ZeRO buckets start the step with a zeroed buffer."""
         for lp in self.params:
-            lp.param.grad = None
+            if id(lp.param) not in self.bucket_of:
+                lp.param.grad = None
+        for b in self.buckets:
+            b.start()
 
     def step(self, step_number: int) -> dict[str, float]:
         """Sums gradients, unscales, clips, sets the learning rate and steps; returns the
         gradient norm, learning rate and whether the step was taken."""
         self._reduce_grads()
-        grads = [lp.param.grad for lp in self.params if lp.param.grad is not None]
+        grads = [
+            lp.param.grad
+            for lp in self.params
+            if lp.param.grad is not None and id(lp.param) not in self.bucket_of
+        ]
+        grads += [b.shard_grad for b in self.buckets if b.shard_grad is not None]
         finite = self.scaler.unscale_and_check(grads, self.device)
         norm = self._global_norm() if finite else float("inf")
         if finite:
@@ -109,65 +122,51 @@ class PlanOptimizer:
                     group["lr"] = lr
             if self.plain is not None:
                 self.plain.step()
-            for z in self.zeros:
-                z.opt.step()
-            self.stepped = True
+            for b in self.buckets:
+                b.step()
         self.scaler.update(finite)
         return {"grad_norm": norm, "lr": lr_at(step_number, self.cfg), "skipped": not finite}
 
     def _optimizers(self) -> list[Any]:
-        return ([self.plain] if self.plain is not None else []) + [z.opt for z in self.zeros]
+        return ([self.plain] if self.plain is not None else []) + [b.opt for b in self.buckets]
 
     def _reduce_grads(self) -> None:
         if self.seq_par and self.tp_group is not None:
             self._sum_replicated_over_tp()
-        zero2 = {id(z.sg) for z in self.zeros} if self.zero_stage >= 2 else set()
-        plain_groups = [(sg, pg) for sg, pg in self.sync if id(sg) not in zero2]
+        plain_groups = [(sg, pg) for sg, pg in self.sync if id(sg) not in self.zero_groups]
         whole = [lp for lp in self.params if not is_sharded(lp.param)]
         sync_grads(whole, plain_groups, self.place.tp, self.place.tp_index)
-        if self.zero_stage >= 2:
-            for z in self.zeros:
-                self._reduce_to_owners(z)
+        for b in self.buckets:
+            b.add_missing()
+        for b in self.buckets:
+            b.reduce()
+        if self.per_micro_batch and self.seq_par and self.tp_group is not None:
+            pieces = [t for b in self.buckets for t in b.replicated_pieces()]
+            _all_reduce_pieces(pieces, self.tp_group)
 
     def _sum_replicated_over_tp(self) -> None:
         """Sequence parallel: each TP rank ran the norms and biases on its slice of the
-        sequence, so their gradients are partial sums over the group."""
-        mine = [lp for lp in self.params if lp.dim is None and lp.unit.startswith("layer_")]
+        sequence, so their gradients are partial sums over the group (ZeRO-2's are summed
+        in their shards, after the reduce-scatters)."""
+        mine = [
+            lp
+            for lp in self.params
+            if lp.dim is None
+            and lp.unit.startswith("layer_")
+            and not (self.per_micro_batch and id(lp.param) in self.bucket_of)
+        ]
         grads = [_local(lp.param.grad) for lp in mine if lp.param.grad is not None]
-        if not grads:
-            return
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat, group=self.tp_group)
-        pos = 0
-        for g in grads:
-            g.copy_(flat[pos : pos + g.numel()].view_as(g))
-            pos += g.numel()
-
-    def _reduce_to_owners(self, z: _Zero) -> None:
-        """ZeRO-2: each gradient goes to the member that updates it, and is freed elsewhere."""
-        owners = sorted(set(z.owner.values()))
-        for owner in owners:
-            mine = [lp for lp in z.params if z.owner[id(lp.param)] == owner]
-            grads = [_grad(lp.param) for lp in mine]
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            dist.reduce(flat, dst=owner, group=z.pg)
-            pos = 0
-            for lp, g in zip(mine, grads, strict=True):
-                if owner == self.rank:
-                    g.copy_(flat[pos : pos + g.numel()].view_as(g))
-                else:
-                    lp.param.grad = None
-                pos += g.numel()
+        _all_reduce_pieces(grads, self.tp_group)
 
     def _counted(self, lp: LocalParam) -> bool:
         """Returns whether this rank adds ``lp``'s gradient to the global norm: each
-        distinct gradient element is counted once over all ranks."""
+        distinct gradient element is counted once over all ranks (ZeRO shards apart)."""
+        if id(lp.param) in self.bucket_of:
+            return False  # counted in the shards
         if lp.dim is None and self.place.tp_index != 0:
             return False  # the same on every TP rank
         if is_sharded(lp.param):
             return True  # each member holds its own shard
-        if self.zero_stage >= 2 and id(lp.param) in self.zero_params:
-            return lp.param.grad is not None  # only on the rank that updates it
         return self.rank in self.layout.owner(lp.unit).tp_ranks
 
     def _global_norm(self) -> float:
@@ -176,17 +175,20 @@ class PlanOptimizer:
             g = lp.param.grad
             if g is not None and self._counted(lp):
                 total += _local(g).double().pow(2).sum()
+        for b in self.buckets:
+            total += b.square_sum(self.place.tp_index)
         dist.all_reduce(total)
         return float(total.item()) ** 0.5
 
     def state_tensors(self) -> list[torch.Tensor]:
-        """Returns every tensor of AdamW state this rank holds."""
+        """Returns every tensor of optimizer state this rank holds: AdamW's, and the ZeRO
+        gradient shards."""
         out: list[torch.Tensor] = []
-        for opt in ([self.plain] if self.plain is not None else []) + [
-            z.opt.optim for z in self.zeros
-        ]:
-            for st in opt.state.values():
+        if self.plain is not None:
+            for st in self.plain.state.values():
                 out += [st[k] for k in STATE_KEYS if k in st]
+        for b in self.buckets:
+            out += b.state_tensors()
         return out
 
     # ---- checkpoints ----------------------------------------------------------------
@@ -204,22 +206,10 @@ class PlanOptimizer:
                         state[key] = st[key].full_tensor()
                 full: torch.Tensor = lp.param.full_tensor()  # type: ignore[attr-defined]
                 self._full[id(lp.param)] = (full, state)
-        for z in self.zeros:
-            for lp in z.params:
-                owner = z.owner[id(lp.param)]
-                st = z.opt.optim.state.get(lp.param, {}) if owner == self.rank else {}
-                state = {}
-                if self.stepped:
-                    step = torch.tensor(
-                        [float(st["step"]) if st else 0.0], dtype=torch.float64, device=self.device
-                    )
-                    dist.broadcast(step, src=owner, group=z.pg)
-                    state["step"] = float(step.item())
-                    for key in STATE_KEYS:
-                        t = st[key] if st else torch.empty_like(lp.param)
-                        dist.broadcast(t, src=owner, group=z.pg)
-                        state[key] = t
-                self._full[id(lp.param)] = (lp.param.detach(), state)
+        for b in self.buckets:
+            states = b.gather_state()
+            for lp in b.params:
+                self._full[id(lp.param)] = (lp.param.detach(), states.get(id(lp.param), {}))
 
     def param_of(self, lp: LocalParam) -> torch.Tensor:
         """Returns the TP-local, data-parallel-whole value of ``lp`` (after materialize)."""
@@ -247,6 +237,10 @@ class PlanOptimizer:
             p.copy_(value.to(p.device))
         if state is None or not all(k in state for k in STATE_KEYS):
             return
+        bucket = self.bucket_of.get(id(p))
+        if bucket is not None:
+            bucket.load_state(lp, state)
+            return
         st: dict[str, Any] = {"step": torch.tensor(float(state["step"]))}
         for key in STATE_KEYS:
             t = state[key].to(p.device)
@@ -257,19 +251,20 @@ class PlanOptimizer:
                 st[key] = DTensor.from_local(_dp_chunk(t, p).clone(), mesh, places, run_check=False)
             else:
                 st[key] = t.clone()
-        for z in self.zeros:
-            if id(p) in z.owner:
-                if z.owner[id(p)] == self.rank:
-                    z.opt.optim.state[p] = st
-                return
         if self.plain is not None:
             self.plain.state[p] = st
 
 
-def _grad(p: torch.Tensor) -> torch.Tensor:
-    if p.grad is None:
-        p.grad = torch.zeros_like(p)
-    return p.grad
+def _all_reduce_pieces(pieces: list[torch.Tensor], group: Any) -> None:
+    """Sums ``pieces`` over ``group`` in place, as one flat buffer."""
+    if not pieces:
+        return
+    flat = torch.cat([t.reshape(-1) for t in pieces])
+    dist.all_reduce(flat, group=group)
+    pos = 0
+    for t in pieces:
+        t.copy_(flat[pos : pos + t.numel()].view_as(t))
+        pos += t.numel()
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

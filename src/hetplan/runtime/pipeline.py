@@ -56,6 +56,25 @@ def _examples(
     return x, y
 
 
+class DeferredStage(PipelineStage):
+    """A stage whose ZeRO-3 layers sync once a step: before each micro-batch's backward
+    the schedule says whether it is this stage's last (``fsdp.set_deferred_sync``)."""
+
+    def __init__(self, submod: nn.Module, *args: Any, **kwargs: Any) -> None:
+        super().__init__(submod, *args, **kwargs)
+        from hetplan.runtime.fsdp import sharded_layers
+
+        self.sharded = sharded_layers(submod)
+
+    def backward_maybe_with_nosync(
+        self, backward_type: Any, bwd_kwargs: dict, last_backward: bool = False
+    ) -> Any:
+        from hetplan.runtime.fsdp import set_deferred_sync
+
+        set_deferred_sync(self.sharded, last_backward)
+        return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
+
+
 def build_schedule(
     schedule: str,
     place: RankPlace,
@@ -65,18 +84,22 @@ def build_schedule(
     loss_fn: Callable[..., torch.Tensor],
     spec: ModelSpec,
     precision: str,
+    deferred_zero3: bool = False,
 ) -> Any:
     """Returns the schedule object that runs this rank's chunks of its replica's pipeline.
 
     Each stage is given its input and output shapes (meta tensors): without them torch's
     pipelining infers them at the first step by running a real forward and backward whose
-    graph, one micro-batch of activations, it then keeps for the whole run."""
+    graph, one micro-batch of activations, it then keeps for the whole run.
+    ``deferred_zero3``: the stages' ZeRO-3 layers sync at the last backward only
+    (``DeferredStage``)."""
     mb = place.batch_size // place.micro_batches
     stages: list[Any] = []
+    stage_cls = DeferredStage if deferred_zero3 else PipelineStage
     for m, c in zip(modules, place.chunks, strict=True):
         x, y = _examples(c, spec, mb, precision)
         stages.append(
-            PipelineStage(
+            stage_cls(
                 m,
                 c.stage_index,
                 place.num_virtual_stages,

@@ -88,6 +88,50 @@ def _grad_allreduce(grads: list[torch.Tensor]) -> None:
         pos += g.numel()
 
 
+def _zero_bucket(size: int, group: Any) -> Any:
+    """Returns a ZeRO-1 bucket of the runtime (``zero.ZeroBucket``) over ``group`` holding
+    8 parameters of ``size`` bytes in all, its gradient buffer started."""
+    from hetplan.runtime.grad_sync import LocalParam
+    from hetplan.runtime.optim_config import OptimConfig
+    from hetplan.runtime.zero import ZeroBucket
+
+    params = [
+        LocalParam(f"layers.0.p{i}", torch.nn.Parameter(t), None)
+        for i, t in enumerate(_pieces(size))
+    ]
+    bucket = ZeroBucket(params, group, 1, 1, OptimConfig())
+    bucket.start()
+    return bucket
+
+
+def _zero_collectives(size: int, group: Any, reps: int) -> tuple[float, float]:
+    """Returns (all-gather, reduce-scatter) times of a ``size``-byte ZeRO bucket as the
+    runtime issues them (``runtime/zero.py``): the all-gather of the updated parameter
+    shards into the flat buffer after the step, and the reduce-scatter of the gradient
+    buffer (on gloo an all-reduce in place, whose slice is the shard)."""
+    from hetplan.runtime.zero import _all_gather
+
+    bucket = _zero_bucket(size, group)
+
+    def gather() -> None:
+        _all_gather(bucket.flat, bucket.master.detach().clone(), group=bucket.pg)
+
+    def scatter() -> None:
+        bucket._scatter(bucket.grads, async_op=False)
+
+    ag, rs = _timed_all([gather, scatter], reps)
+    return ag, rs
+
+
+def ring_figures(latency: float, rate: float, steps: int, share: float) -> tuple[float, float]:
+    """Returns the per-ring-step latency and bus bytes/s of a collective measured as
+    ``latency + bytes / rate`` over a buffer of ``bytes``, run as a ring of ``steps`` steps
+    that sends ``share`` of the buffer per member (all-reduce among n: 2(n-1) steps,
+    2(n-1)/n; all-gather and reduce-scatter: n-1 steps, (n-1)/n). ``comm`` prices a group of
+    the measured size at exactly ``latency + bytes / rate`` again."""
+    return latency / steps, rate * share
+
+
 def _pipeline_overhead(model: ModelSpec, mb: int, rank: int, world: int, reps: int) -> float:
     """Returns the pipelining runtime's time per action (a micro-batch's forward or
     backward) beyond the module's own compute, on a one-stage pipeline per rank."""
@@ -202,6 +246,8 @@ def _links_worker(rank: int, world: int, init: str, job: dict, out: str) -> None
         )
         p2p = [_p2p(rank, s, reps) for s in P2P_SIZES]
         ar = [_timed(partial(_grad_allreduce, _pieces(s)), reps) for s in ALLREDUCE_SIZES]
+        whole = dist.new_group(list(range(world)))
+        ag, rs = zip(*(_zero_collectives(s, whole, reps) for s in ALLREDUCE_SIZES), strict=True)
         pipe = _pipeline_overhead(model, min(job["micro_batches"]), rank, world, reps)
         comm: dict[str, list[float]] = {}
         comm_sp: dict[str, list[float]] = {}
@@ -216,13 +262,13 @@ def _links_worker(rank: int, world: int, init: str, job: dict, out: str) -> None
                             t = _tp_comm(model, tp, mb, group, reps, sequence_parallel=True)
                             comm_sp[f"{tp},{mb}"] = [t.forward_s, t.backward_s]
                     dist.barrier()
-        whole = dist.new_group(list(range(world)))
         zero3 = {}
         for mb in job["micro_batches"]:
             t = _zero3_comm(model, mb, whole, reps)
             zero3[str(mb)] = [t.forward_s, t.backward_s]
         if rank == 0:
             res = {"p2p": p2p, "allreduce": ar, "pipeline": pipe, "tp_comm": comm, **compute}
+            res.update({"allgather": list(ag), "reduce_scatter": list(rs)})
             res.update({"tp_comm_sp": comm_sp, "zero3": zero3})
             Path(out).write_text(json.dumps(res))
     except BaseException:
@@ -240,9 +286,10 @@ def profile_links(
     threads: int = 1,
     reps: int = 5,
 ) -> dict[str, Any]:
-    """Measures gloo point-to-point, all-reduce, the pipelining overhead and each TP degree's
-    layer collectives between local processes (``threads`` each) and stores them; returns
-    rank 0's measurements, with its compute measurements (see measure_compute)."""
+    """Measures gloo point-to-point, all-reduce, ZeRO's all-gather and reduce-scatter, the
+    pipelining overhead and each TP degree's layer collectives between local processes
+    (``threads`` each) and stores them; returns rank 0's measurements, with its compute
+    measurements (see measure_compute)."""
     import json
     import tempfile
     from pathlib import Path
@@ -258,11 +305,14 @@ def profile_links(
         mp.spawn(_links_worker, args=(world, init, job, str(out)), nprocs=world, join=True)
         res = json.loads(out.read_text())
     p2p = fit_alpha_beta([float(s) for s in P2P_SIZES], res["p2p"])
-    lat, rate = fit_alpha_beta([float(s) for s in ALLREDUCE_SIZES], res["allreduce"])
-    # world ranks: a ring all-reduce takes 2(n-1) steps and moves 2(n-1)/n of the buffer
-    steps = 2 * (world - 1)
-    ring = (lat / steps, rate * steps / world)
+    sizes = [float(s) for s in ALLREDUCE_SIZES]
+    # world ranks: a ring all-reduce takes 2(n-1) steps and moves 2(n-1)/n of the buffer;
+    # an all-gather or a reduce-scatter n-1 steps and (n-1)/n
+    n = world
+    ring = ring_figures(*fit_alpha_beta(sizes, res["allreduce"]), 2 * (n - 1), 2 * (n - 1) / n)
     figures = {"p2p": p2p, "allreduce": ring, "pipeline": (float(res["pipeline"]), 0.0)}
+    for kind in ("allgather", "reduce_scatter"):
+        figures[kind] = ring_figures(*fit_alpha_beta(sizes, res[kind]), n - 1, (n - 1) / n)
     for kind, (latency, bps) in figures.items():
         db.put_link(device_name, kind, latency, bps)
     for part in ("tp_comm", "tp_comm_sp"):

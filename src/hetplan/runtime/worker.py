@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from hetplan.cluster import load_cluster
+from hetplan.cost.sharding import deferred_sync
 from hetplan.plan import load_plan
 from hetplan.runtime import checkpoint as ckpt
 from hetplan.runtime.config import RunConfig
@@ -94,7 +95,8 @@ class Trainer:
         if plan.zero_stage == 3:
             from hetplan.runtime.fsdp import shard_layers
 
-            shard_layers(list(self.modules), self.sync, self.device)
+            # with a multi-stage pipeline: gathered once, synced at the last backward
+            shard_layers(list(self.modules), self.sync, self.device, deferred_sync(plan))
         # dropout masks: equal on a stage's TP ranks (they hold the same activations)
         torch.manual_seed(cfg.seed * 1_000_003 + 7919 * place.replica + place.stage + 1)
         self.params: list[LocalParam] = local_params(list(self.modules))
@@ -110,6 +112,7 @@ class Trainer:
             self.features.sequence_parallel,
             self.scaler,
             self.device,
+            deferred=deferred_sync(plan),  # pipelined ZeRO-2 as the cost model prices it
         )
         self.meter = MemoryMeter(self.device, [lp.param for lp in self.params])
         self.step, self.position = 0, 0
@@ -141,6 +144,7 @@ class Trainer:
             loss_fn,
             self.model,
             self.plan.precision,
+            deferred_zero3=plan.zero_stage == 3 and deferred_sync(plan),
         )
 
     def _units(self) -> list[str]:

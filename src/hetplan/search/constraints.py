@@ -84,6 +84,10 @@ class PlanConstraints:
     max_gpus: int | None = None
     """At most this many GPUs: ``plan`` uses the cluster's first nodes holding at most this
     many; ``provision`` rents no more."""
+    overlap_tp_comm: bool = False
+    """Every plan overlaps its TP collectives with the TP matmuls (``Plan.overlap_tp_comm``:
+    hidden only with sequence parallelism, by the fitted ``tp_overlap`` share); not a
+    limit but a plan option every search gives its plans."""
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.memory_headroom < 1.0:
@@ -140,6 +144,7 @@ class PlanConstraints:
              self.sequence_parallel is None or plan.sequence_parallel == self.sequence_parallel),
             ("--flash-attention",
              self.flash_attention is None or plan.flash_attention == self.flash_attention),
+            ("--overlap-tp-comm", plan.overlap_tp_comm == self.overlap_tp_comm),
         ]  # fmt: skip
         return next((name for name, ok in checks if not ok), None)
 
@@ -208,6 +213,7 @@ def constraints_from_options(
     gpu_types: str | None = None,
     memory_headroom: float | None = None,
     max_gpus: int | None = None,
+    overlap_tp_comm: bool = False,
 ) -> PlanConstraints:
     """Returns the constraints of the CLI's options (text as the user typed it)."""
     types = None
@@ -229,6 +235,7 @@ def constraints_from_options(
         gpu_types=types,
         memory_headroom=0.0 if memory_headroom is None else memory_headroom,
         max_gpus=max_gpus,
+        overlap_tp_comm=overlap_tp_comm,
     )
 
 
@@ -267,4 +274,5 @@ def homogeneous_space(c: PlanConstraints, base: SearchSpace | None = None) -> Se
         zero_stages=narrow(c.zero_stage, base.zero_stages),
         schedules=narrow(c.schedule, base.schedules),
         sequence_parallel=sp,
+        overlap_tp_comm=c.overlap_tp_comm,
     )

@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 from numpy.typing import NDArray
-from scipy.optimize import Bounds, LinearConstraint, milp
 
 from hetplan.cluster import Cluster, Node
 from hetplan.hardware import GPUType
@@ -130,6 +129,9 @@ def _max_units(
     n = cap.size
     if n == 0 or int(cap.max()) * num_pipelines[1] < need:
         return None
+    # scipy.optimize takes 0.3 s to import: only searches that need HiGHS pay for it
+    from scipy.optimize import Bounds, LinearConstraint, milp
+
     upper = np.min(np.where(a > 0, avail[:, None] // np.maximum(a, 1), np.inf), axis=0)
     upper = np.minimum(upper, num_pipelines[1])
     cons = [

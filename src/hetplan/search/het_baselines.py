@@ -112,6 +112,7 @@ def best_uniform(
                             cluster, model.layers, tp, pp, dp, mb, global_batch,
                             precision=precision, recompute=rc, zero_stage=zero,
                             sequence_parallel=sp, flash_attention=flash_attention,
+                            overlap_tp_comm=c.overlap_tp_comm,
                         )  # fmt: skip
                         if c.allows(plan) and bounds.fits(plan)[0]:
                             cands.append((bounds.bound_s(plan, exact=False), len(cands), plan))

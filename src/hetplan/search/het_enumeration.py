@@ -367,6 +367,7 @@ class Enumeration:
                 virtual_stages=k.virtual_stages,
                 sequence_parallel=sp,
                 flash_attention=k.flash_attention,
+                overlap_tp_comm=k.overlap_tp_comm,
             )
             if plan in s.seen:
                 continue

@@ -15,7 +15,14 @@ from hetplan.plan import RECOMPUTE
 from hetplan.search.grouping import MilpMemo, select_pipelines
 from hetplan.search.het_pool import CandidatePool
 from hetplan.search.het_space import dp_bands, schedule_options, tp_configs
-from hetplan.search.het_tables import ClassTable, FrontierCache, Knobs, Template, per_layer_floor_s
+from hetplan.search.het_tables import (
+    ClassTable,
+    FrontierCache,
+    Knobs,
+    Template,
+    cap_positions,
+    per_layer_floor_s,
+)
 from hetplan.search.het_variants import MAX_STAGES, Variants, build_plan, build_templates, variants
 
 LEADERS = 1
@@ -143,7 +150,8 @@ class SearchState(CandidatePool):
                     continue
                 for rc in self.recompute_allowed(recompute):
                     for sched, v in self.schedules_allowed(schedules):
-                        knobs = Knobs(mb, rc, 0, 1, self.precision, self.flash, sched, v)
+                        knobs = Knobs(mb, rc, 0, 1, self.precision, self.flash, sched, v,
+                                      overlap_tp_comm=self.constraints.overlap_tp_comm)  # fmt: skip
                         out.append((self.combo_bound_s(tps, knobs), tps, knobs))
         out.sort(key=lambda c: c[0])
         return out
@@ -223,12 +231,20 @@ class SearchState(CandidatePool):
         return False
 
     def _same_caps(self, a: list[ClassTable], b: list[ClassTable]) -> bool:
+        """Returns whether the tables hold the same layers at every position of up to 32
+        stages (``caps_row``), compared where the memory caps can differ
+        (``cap_positions``)."""
         most = min(self.model.layers, 32)
-        return all(
-            x.caps_row(p) == y.caps_row(p)
-            for p in range(1, most + 1)
-            for x, y in zip(a, b, strict=True)
-        )
+        for x, y in zip(a, b, strict=True):
+            kx, ky = x.knobs, y.knobs
+            if (kx.schedule, kx.virtual_stages) != (ky.schedule, ky.virtual_stages):
+                if any(x.caps_row(p) != y.caps_row(p) for p in range(1, most + 1)):
+                    return False
+                continue
+            for j, p in cap_positions(kx.schedule, kx.virtual_stages, most):
+                if x.max_layers(j, p) != y.max_layers(j, p):
+                    return False
+        return True
 
     def band_bound_s(self, tps: tuple[int, ...], knobs: Knobs, lo: int, hi: int) -> float:
         """Returns a lower bound of any plan of ``lo`` to ``hi`` pipelines under these knobs.

@@ -15,6 +15,7 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass, field, replace
+from functools import lru_cache
 
 import numpy as np
 
@@ -28,13 +29,16 @@ from hetplan.cost.estimate import (
     stage_times,
 )
 from hetplan.cost.memory import (
+    deferred_state_bytes,
+    even_chunks,
     stage_activation_bytes,
     stage_params,
     state_bytes,
     zero3_working_bytes,
 )
 from hetplan.cost.params import CostParams
-from hetplan.cost.schedule import EXACT_ACTION_LIMIT, peak_in_flight, replay
+from hetplan.cost.schedule import EXACT_ACTION_LIMIT, held_layers, peak_in_flight, replay
+from hetplan.cost.sharding import deferred_sync
 from hetplan.model import ModelSpec
 from hetplan.plan import Plan, element_bytes
 from hetplan.search.grouping import DeviceClass
@@ -62,6 +66,8 @@ class Knobs:
     """None: either; times and memory are those of on (faster and smaller where TP > 1)."""
     zero_choices: tuple[int, ...] = ()
     """ZeRO stages whose least memory sets the caps (empty: ``zero_stage`` alone)."""
+    overlap_tp_comm: bool = False
+    """The plan option (``PlanConstraints.overlap_tp_comm``), read by ``stage_times``."""
 
     def time_plan(self) -> Plan:
         """Returns a plan carrying the knobs ``stage_times`` reads (no pipelines)."""
@@ -77,6 +83,7 @@ class Knobs:
             # None (either): on, the faster (sequence parallelism only removes forward work)
             sequence_parallel=self.sequence_parallel is not False,
             flash_attention=self.flash_attention,
+            overlap_tp_comm=self.overlap_tp_comm,
         )
 
 
@@ -256,15 +263,18 @@ class ClassTable:
         """Returns ``max_layers`` at every position of ``p`` stages."""
         hit = self._rows.get(p)
         if hit is None:
-            hit = self._rows[p] = tuple(self.max_layers(j, p) for j in range(p))
+            k, caps = self.knobs, self._caps
+            hit = self._rows[p] = tuple(
+                caps[key] if key in caps else self.max_layers(j, p)
+                for j, key in enumerate(cap_keys(k.schedule, k.virtual_stages, p))
+            )
         return hit
 
     def max_layers(self, j: int, p: int) -> int:
         """Returns the most layers a stage at position ``j`` of ``p`` holds in memory (under
         the choice that holds the most; memory is affine in the layers from one on)."""
         k = self.knobs
-        units = peak_in_flight(k.schedule, p, MANY, k.virtual_stages, j)
-        key = (units, j == 0, j == p - 1, p == 1)
+        key = cap_key(k.schedule, k.virtual_stages, j, p)
         hit = self._caps.get(key)
         if hit is None:
             cap = self.cls.gpu.memory_bytes
@@ -281,6 +291,30 @@ class ClassTable:
                 most = max(most, n)
             hit = self._caps[key] = most
         return int(hit)
+
+
+def cap_key(schedule: str, v: int, j: int, p: int) -> tuple[int, bool, bool, bool]:
+    """Returns what ``ClassTable.max_layers`` at position ``j`` of ``p`` stages depends on
+    besides the table: the micro-batches in flight there and the stage's position."""
+    return (peak_in_flight(schedule, p, MANY, v, j), j == 0, j == p - 1, p == 1)
+
+
+@lru_cache(maxsize=1024)
+def cap_keys(schedule: str, v: int, p: int) -> tuple[tuple[int, bool, bool, bool], ...]:
+    """Returns ``cap_key`` at every position of ``p`` stages."""
+    return tuple(cap_key(schedule, v, j, p) for j in range(p))
+
+
+@lru_cache(maxsize=256)
+def cap_positions(schedule: str, v: int, most: int) -> tuple[tuple[int, int], ...]:
+    """Returns one (position, stages) per distinct ``cap_key`` over pipelines of up to
+    ``most`` stages: two tables of this schedule have the same ``caps_row`` for every
+    stage count up to ``most`` exactly when their ``max_layers`` agree at these."""
+    out: dict[tuple[int, bool, bool, bool], tuple[int, int]] = {}
+    for p in range(1, most + 1):
+        for j in range(p):
+            out.setdefault(cap_key(schedule, v, j, p), (j, p))
+    return tuple(out.values())
 
 
 def class_table(
@@ -641,13 +675,21 @@ class PlanBounds:
             for j, stage in enumerate(pipe.stages):
                 node = self.node(stage.devices[0])
                 first, last = j == 0, j == p - 1
-                state = stage_state_bytes(model, stage.layers, stage.tp, first, last, p == 1,
-                                          plan.precision, plan.zero_stage, dp)  # fmt: skip
+                if deferred_sync(plan):  # pipelined ZeRO-2/3, as estimate prices them
+                    p_local = stage_params(model, stage.layers, stage.tp, first, last, p == 1)
+                    state = sum(deferred_state_bytes(p_local, plan.precision, dp))
+                else:
+                    zs = plan.zero_stage
+                    state = stage_state_bytes(
+                        model, stage.layers, stage.tp, first, last, p == 1, plan.precision, zs, dp
+                    )
                 units = peak_in_flight(plan.schedule, p, m, plan.virtual_stages, j)
+                even = even_chunks(stage.layers, plan.virtual_stages) if first else None
                 acts = stage_activation_bytes(
                     model, stage.layers, stage.tp, plan.micro_batch_size,
                     plan.sequence_parallel, plan.recompute, plan.flash_attention, first, last,
                     units, plan.virtual_stages, plan.precision,
+                    held_layers(plan.schedule, p, m, j, even) if even else None,
                 )  # fmt: skip
                 total = state + acts + self.params.memory_reserve_bytes
                 if total > node.gpu.memory_bytes:

@@ -163,6 +163,7 @@ def build_plan(
         virtual_stages=knobs.virtual_stages,
         sequence_parallel=any(s.tp > 1 for p in pipelines for s in p.stages) if sp is None else sp,
         flash_attention=knobs.flash_attention,
+        overlap_tp_comm=knobs.overlap_tp_comm,
     )
 
 

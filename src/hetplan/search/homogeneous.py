@@ -22,6 +22,7 @@ from hetplan.cost.estimate import (
 )
 from hetplan.cost.memory import (
     combine_activation_bytes,
+    even_chunks,
     stage_params,
     state_bytes,
     zero3_working_bytes,
@@ -145,7 +146,12 @@ def enumerate_candidates(
                         if zero and dp == 1:
                             continue
                         if zero >= 2 and pp > 1:
-                            continue  # ZeRO-2/3 shard gradients that pipelining accumulates
+                            # dominated: pipelined, frameworks run ZeRO-2/3 with ZeRO-1's
+                            # traffic and no less memory (DeepSpeed's pipeline engine refuses
+                            # them; PyTorch's pipelining stages defer FSDP's gradient sync
+                            # and resharding to the last micro-batch), and estimate prices
+                            # them so (cost.sharding.deferred_sync; docs/search.md)
+                            continue
                         for sched, v in schedules:
                             for sp in space.sequence_parallel:
                                 if sp and tp == 1:
@@ -258,6 +264,8 @@ class _Scorer:
             if c.lightened:
                 chunks = lightened_chunks(shape.split, c.virtual_stages)[j]
                 held = held_layers(c.schedule, c.pp, m, j, chunks)
+            elif first and (even := even_chunks(shape.split[j], c.virtual_stages)):
+                held = held_layers(c.schedule, c.pp, m, j, even)  # its embedding outputs
             acts = combine_activation_bytes(
                 shape.split[j], shape.layer_act_bytes, shape.embed_act_bytes,
                 shape.head_act_bytes, shape.working_act_bytes, first, last, units,

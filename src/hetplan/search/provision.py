@@ -126,6 +126,8 @@ class ProvisionResult:
     """Configurations with no possible plan, never planned: more GPUs than --max-gpus, a
     spot run preempted faster than it progresses, or too little memory for the model's
     weights, gradients and optimizer states."""
+    impossible_by_reason: dict[str, int] = field(default_factory=dict)
+    """``impossible`` by reason (``IMPOSSIBLE_REASONS``), the reasons that ruled any out."""
     unexplored: list[Unexplored] = field(default_factory=list)
     """Mixes left unplanned when the time limit struck (empty without one), fastest bound
     first: what each could at most reach."""
@@ -135,6 +137,20 @@ class ProvisionResult:
     """Offers left out because they state no price for ``pricing`` (by name)."""
     owned_choice: str = ""
     """With owned nodes: which of them the recommendation uses, and why."""
+
+
+IMPOSSIBLE_REASONS = {
+    "max_gpus": "more GPUs than --max-gpus",
+    "spot": "a spot run preempted faster than it progresses",
+    "memory": "too little memory for the model's weights, gradients and optimizer states",
+    "compute": "no GPU of the configuration computes (a rate of zero)",
+}
+"""Why a configuration has no possible plan (the keys of ``impossible_by_reason``)."""
+
+
+def _count(reasons: dict[str, int], key: str, n: int) -> None:
+    if n:
+        reasons[key] = reasons.get(key, 0) + n
 
 
 @dataclass(frozen=True)
@@ -158,6 +174,8 @@ class _Job:
     """Told after each configuration planned (explored: planned and pruned so far)."""
     done: list[int] = field(default_factory=lambda: [0, 0])
     """Configurations planned and pruned so far, for ``progress``."""
+    impossible: dict[str, int] = field(default_factory=dict)
+    """Configurations with no possible plan so far, by reason (``IMPOSSIBLE_REASONS``)."""
     stop_at: float | None = None
     """``time.monotonic()`` after which no further mix is planned (``--time-limit``)."""
     pricing: str = "on-demand"
@@ -209,15 +227,20 @@ def _single_type(job: _Job, offer: Offer, points: list[Point]) -> tuple[int, int
     most = offer.max_nodes
     if job.max_gpus is not None:
         most = min(most, job.max_gpus // offer.gpus_per_node)
+    _count(job.impossible, "max_gpus", offer.max_nodes - max(most, 0))
+    # the iteration floor of every count at once (one array: its multipliers computed once)
+    counts = np.arange(max(most, 0) + 1) * offer.gpus_per_node
+    it_lbs = iteration_floor_s(model, global_batch, [floor], [counts])
     for nodes in range(most, 0, -1):
         load = offer_load(offer, nodes, terms)
-        # every plan's checkpoint takes at least the mean node's state: a floor of the slowdown
+        # a floor of every plan's checkpoint time (checkpoint_floor_s): one of the slowdown
         slow = slowdowns(*load, terms, checkpoint_floor_s(model, nodes), True) if spot else 1.0
         if math.isinf(slow):
+            _count(job.impossible, "spot", 1)
             continue
         n_gpus = nodes * offer.gpus_per_node
         usd_hour = price * n_gpus
-        it_lb = float(iteration_floor_s(model, global_batch, [floor], [np.array(n_gpus)]))
+        it_lb = float(it_lbs[nodes])
         t_lb = _iterations(job) * it_lb * slow
         if prune and _dominated(t_lb, t_lb / 3600 * usd_hour, points):
             pruned += 1
@@ -291,7 +314,7 @@ def _mix_grid(job: _Job, offers: list[Offer]) -> tuple[_MixGrid, list[tuple[Offe
     """Returns the bounds of every two-offer configuration that could have a plan, the offer
     pairs, and how many configurations have none (past --max-gpus, a spot run that never
     finishes, or too little memory for the model's state: the heterogeneous search's own
-    refusal)."""
+    refusal), counted by reason in ``job.impossible``."""
     from hetplan.search.heterogeneous import _state_floor_bytes
 
     model, spot = job.model, job.spot
@@ -320,23 +343,32 @@ def _mix_grid(job: _Job, offers: list[Offer]) -> tuple[_MixGrid, list[tuple[Offe
                 load = mixed_load([(la[:, None, 0], la[:, None, 1]),
                                    (lb[None, :, 0], lb[None, :, 1])])  # fmt: skip
                 slow = slowdowns(*load, job.terms, checkpoint_floor_s(model, na + nb), True)
-            t_lb = _iterations(job) * iteration_floor_s(model, job.global_batch, [fa, fb],
-                                                        [ga, gb]) * slow  # fmt: skip
             total = ga + gb
-            ok = np.isfinite(t_lb)
+            ok = np.ones(total.shape, dtype=bool)
             if job.max_gpus is not None:
                 ok &= total <= job.max_gpus
+            _count(job.impossible, "max_gpus", int((~ok).sum()))
+            finishes = np.broadcast_to(np.isfinite(slow), total.shape)
+            _count(job.impossible, "spot", int((ok & ~finishes).sum()))
+            ok &= finishes
             held = ga * memory[a.name] + gb * memory[b.name]
             sizes, where = np.unique(total[ok], return_inverse=True)  # each GPU count once
             need = np.array([state_floor(int(n)) for n in sizes])
-            ok[ok] = need[where.ravel()] <= held[ok]
-            impossible += int((~ok).sum())
-            xs, ys = np.nonzero(ok)
+            fits = need[where.ravel()] <= held[ok]
+            _count(job.impossible, "memory", int((~fits).sum()))
+            ok[ok] = fits
+            xs, ys = np.nonzero(ok)  # the iteration floor only where a plan could finish
+            slow_ok = np.broadcast_to(slow, total.shape)[xs, ys]
+            it_lb = iteration_floor_s(model, job.global_batch, [fa, fb], [ga[xs, 0], gb[0, ys]])
+            t_lb = _iterations(job) * it_lb * slow_ok
+            fin = np.isfinite(t_lb)  # a rate of zero: no plan (never for a GPU type sold)
+            _count(job.impossible, "compute", int((~fin).sum()))
+            xs, ys, t_lb, slow_ok = xs[fin], ys[fin], t_lb[fin], slow_ok[fin]
+            impossible += int(total.size - xs.size)
             pairs.append((a, b))
             parts.append((
-                np.full(xs.shape, len(pairs) - 1), xs + 1, ys + 1, t_lb[xs, ys],
-                t_lb[xs, ys] / 3600 * usd_hour[xs, ys], np.broadcast_to(slow, t_lb.shape)[xs, ys],
-                usd_hour[xs, ys],
+                np.full(xs.shape, len(pairs) - 1), xs + 1, ys + 1, t_lb,
+                t_lb / 3600 * usd_hour[xs, ys], slow_ok, usd_hour[xs, ys],
             ))  # fmt: skip
     cols = [np.concatenate(c) if c else np.zeros(0) for c in zip(*parts, strict=True)]
     if not cols:
@@ -369,6 +401,8 @@ def _mixes(
     cache = SearchCache(model, params)  # mixes of the same offers share their class tables
     live = np.arange(grid.t_lb.size)
     planned = pruned = 0
+    if spot and prune and live.size:  # the survivors of the single types' front, tightened
+        _tighten_spot(job, grid, pairs, live[_front_cost(grid.t_lb, points) > grid.c_lb])
     while live.size:
         t_lb, c_lb = grid.t_lb[live], grid.c_lb[live]
         front = _front_cost(t_lb, points)
@@ -410,6 +444,25 @@ def _mixes(
         points.append(Point(gpus, spot, t, t / 3600 * rented, rented, plan, est, cluster,
                             float(grid.t_lb[q]), pricing=job.pricing))  # fmt: skip
     return planned, pruned, impossible, []
+
+
+def _tighten_spot(
+    job: _Job, grid: _MixGrid, pairs: list[tuple[Offer, Offer]], idx: np.ndarray
+) -> None:
+    """Raises the spot bounds of mixes ``idx`` to the bound over the fewest stages of any
+    pipeline (``provision_stages``): tighter, and costlier, so only where the first bound
+    leaves them live."""
+    from hetplan.search.provision_stages import mix_time_floor_s
+
+    for k, (a, b) in enumerate(pairs):
+        sel = idx[grid.pair[idx] == k]
+        if not sel.size:
+            continue
+        na, nb = grid.na[sel].astype(int), grid.nb[sel].astype(int)
+        t = mix_time_floor_s(job.model, job.global_batch, _iterations(job), job.terms, (a, b),
+                             (_floor(job, a), _floor(job, b)), na, nb)  # fmt: skip
+        grid.t_lb[sel] = np.maximum(grid.t_lb[sel], t)
+        grid.c_lb[sel] = grid.t_lb[sel] / 3600 * grid.usd_hour[sel]
 
 
 def _unexplored(grid: _MixGrid, pairs: list[tuple[Offer, Offer]], q: int) -> Unexplored:
@@ -545,7 +598,6 @@ def provision(
                progress, stop_at=stop_at, pricing=pricing)  # fmt: skip
     # cheapest effective FLOP first: the low-cost end of the front prunes the rest early
     offers.sort(key=lambda o: o.price(pricing) / max(_floor(job, o).rate_flops))
-    impossible = 0
     left: list[Unexplored] = []
     if owned is not None:
         from hetplan.search.provision_owned import explain_owned, owned_first
@@ -562,14 +614,15 @@ def provision(
         planned += a
         pruned += b
     if mixes:
-        a, b, impossible, left = _mixes(job, offers, points)
+        a, b, _, left = _mixes(job, offers, points)  # impossible ones: job.impossible
         planned += a
         pruned += b
     front = pareto_front(points)  # every point carries its plan and estimate()
     best, why = recommend(front, objective, constraints)
+    reasons = dict(job.impossible)
     return ProvisionResult(
-        points, front, planned, pruned, time.process_time() - start, best, why, impossible, left,
-        pricing, left_out,
+        points, front, planned, pruned, time.process_time() - start, best, why,
+        sum(reasons.values()), reasons, left, pricing, left_out,
     )  # fmt: skip
 
 

@@ -1,7 +1,7 @@
 """Proven lower bounds on a rented configuration's iteration time, from the cost model's blocks.
 
 Every plan the searches can return for a configuration (one offer, or two offers mixed) is
-priced by ``estimate``. Two facts of ``estimate`` hold for any plan on those GPUs:
+priced by ``estimate``. These facts of ``estimate`` hold for any plan on those GPUs:
 
 * **throughput**: every device runs its share of the layers and the head, each at no more
   than the best fraction of peak any layer or head shape of the plan's micro-batch size
@@ -12,16 +12,21 @@ priced by ``estimate``. Two facts of ``estimate`` hold for any plan on those GPU
   every stage in order and its backward back, each stage taking its layers' times (plus
   the embedding on the first stage and the head on the last), so the iteration lasts at
   least one micro-batch's forward and backward through all layers, the embedding and the
-  head, each at the fastest time any of the configuration's GPU types reaches for it.
+  head, each at the fastest time any of the configuration's GPU types reaches for it;
+* **coupled**: the two hold for the same plan, whose TP degrees cannot be both the most
+  efficient (throughput) and the fastest (path): a Lagrangian combination of them over the
+  pieces' choices of type and degree (``coupled_floor_s``), the dual of the linear program
+  that relaxes those choices.
 
 A plan has one micro-batch size, a divisor of the global batch: the bound is, over those
-sizes, the least of the larger of the two at that size (a large micro-batch computes
-efficiently but lengthens the critical path). Both read ``params.compute``, so a measured profile
-moves the bound as it moves the estimate.
+sizes, the least of the largest of the three at that size (a large micro-batch computes
+efficiently but lengthens the critical path). All read ``params.compute``, so a measured
+profile moves the bound as it moves the estimate.
 """
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -50,6 +55,15 @@ class TypeFloor:
     """What every stage adds to each micro-batch's forward + backward whatever it computes:
     the fixed cost per micro-batch and the pipelining runtime's cost per action, at one
     model chunk (``estimate.stage_times``; more chunks add more)."""
+    tps: tuple[int, ...] = ()
+    """The tensor-parallel degrees a stage on this type may use (the divisors of its node)."""
+    layer_tp: tuple[tuple[float, ...], ...] = ()
+    """``layer_tp[i][k]``: fastest forward + backward of one layer at micro-batch size i and
+    TP ``tps[k]`` (with or without sequence parallelism)."""
+    embed_tp: tuple[tuple[float, ...], ...] = ()
+    """The embedding's, likewise."""
+    head_tp: tuple[tuple[float, ...], ...] = ()
+    """The head's, likewise."""
 
 
 def micro_batches(global_batch: int) -> list[int]:
@@ -74,28 +88,35 @@ def type_floor(
     def make() -> TypeFloor:
         layer_flops, head_flops = 3 * model.layer_flops(), 3 * model.head_flops()
         cols: list[tuple[float, float, float, float]] = []
+        per_tp: list[tuple[tuple[float, ...], ...]] = []
         mbs = micro_batches(global_batch)
+        tps = tuple(divisors(gpus_per_node))
         for mb in mbs:
             rate = 0.0
-            layer = embed = head = float("inf")
-            for tp in divisors(gpus_per_node):
+            lts: list[float] = []
+            ets: list[float] = []
+            hts: list[float] = []
+            for tp in tps:
+                fb = float("inf")
                 for sp in {False, tp > 1}:
                     lt = src.layer(model, gpu, params, tp, mb, precision, flash, sp).times
-                    fb = lt.forward_s + lt.backward_s
-                    rate = max(rate, mb * layer_flops / tp / fb)
-                    layer = min(layer, fb)
+                    fb = min(fb, lt.forward_s + lt.backward_s)
+                    rate = max(rate, mb * layer_flops / tp / (lt.forward_s + lt.backward_s))
                 ht = src.head(model, gpu, params, tp, mb, precision, flash).times
                 hb = ht.forward_s + ht.backward_s
                 rate = max(rate, mb * head_flops / tp / hb)
-                head = min(head, hb)
                 et = src.embedding(model, gpu, params, tp, mb, precision, flash).times
-                embed = min(embed, et.forward_s + et.backward_s)
-            cols.append((rate, layer, embed, head))
+                lts.append(fb)
+                hts.append(hb)
+                ets.append(et.forward_s + et.backward_s)
+            cols.append((rate, min(lts), min(ets), min(hts)))
+            per_tp.append((tuple(lts), tuple(ets), tuple(hts)))
         rates, layers, embeds, heads = zip(*cols, strict=True)
         fixed = max(params.gpu(gpu.name).microbatch_overhead_s, 0.0) + 2 * max(
             src.action_overhead_s(gpu), 0.0
         )
-        return TypeFloor(tuple(mbs), rates, layers, embeds, heads, fixed)
+        lt_, et_, ht_ = zip(*per_tp, strict=True)
+        return TypeFloor(tuple(mbs), rates, layers, embeds, heads, fixed, tps, lt_, et_, ht_)
 
     key = ("type_floor", model, gpu, gpus_per_node, global_batch, params.gpu(gpu.name),
            precision, flash)  # fmt: skip
@@ -103,16 +124,16 @@ def type_floor(
     return out
 
 
-def path_floor_s(model: ModelSpec, floors: list[TypeFloor], i: int) -> float:
+def path_floor_s(model: ModelSpec, floors: list[TypeFloor], i: int, stages: int = 1) -> float:
     """Returns the critical-path floor of an iteration at micro-batch ``floors[.].
     micro_batches[i]`` on GPUs of these types: one micro-batch through every layer, the
-    embedding and the head, each on its fastest type, and through at least one stage's
-    fixed costs."""
+    embedding and the head, each on its fastest type, and through the fixed costs of at
+    least ``stages`` stages."""
     return (
         model.layers * min(f.layer_s[i] for f in floors)
         + min(f.embed_s[i] for f in floors)
         + min(f.head_s[i] for f in floors)
-        + min(f.fixed_s for f in floors)
+        + stages * min(f.fixed_s for f in floors)
     )
 
 
@@ -121,13 +142,16 @@ def iteration_floor_s(
     global_batch: int,
     floors: list[TypeFloor],
     gpus: list[np.ndarray],
+    stages: int = 1,
 ) -> np.ndarray:
     """Returns the lower bound of the iteration time for every count combination:
-    ``gpus[i]`` holds the GPU counts of type ``floors[i]`` (numpy arrays that broadcast).
+    ``gpus[i]`` holds the GPU counts of type ``floors[i]`` (numpy arrays that broadcast), of
+    plans whose every pipeline has at least ``stages`` stages (each pays its fixed costs per
+    micro-batch).
 
     A plan has one micro-batch size: the bound at each size is the larger of the
-    throughput and critical-path floors at that size, and the plan's time is at least the
-    least of these over the sizes.
+    throughput, critical-path and coupled floors at that size (``coupled_floor_s``), and
+    the plan's time is at least the least of these over the sizes.
 
     Throughput with fixed costs: a device of pipeline r is busy at least m_r (its
     micro-batches) x (its FLOPs per micro-batch / its best rate + its fixed cost), at most
@@ -140,10 +164,90 @@ def iteration_floor_s(
     for i in range(len(floors[0].micro_batches)):
         rate = sum(f.rate_flops[i] * g for f, g in zip(floors, gpus, strict=True))
         m = global_batch // floors[0].micro_batches[i]
-        fixed_work = m * min(f.rate_flops[i] * f.fixed_s for f in floors)
+        fixed_work = m * stages * min(f.rate_flops[i] * f.fixed_s for f in floors)
         with np.errstate(divide="ignore"):
             at = np.maximum((flops + fixed_work) / np.asarray(rate, dtype=float),
-                            path_floor_s(model, floors, i))  # fmt: skip
+                            path_floor_s(model, floors, i, stages))  # fmt: skip
+            at = np.maximum(at, coupled_floor_s(model, m, floors, i, rate, stages))
         best = at if best is None else np.minimum(best, at)
     assert best is not None
     return best
+
+
+Line = tuple[float, float]
+"""A piece's cost at one GPU type and TP degree as ``a + lambda x b``: ``a`` its weighted
+device-seconds (TP x the type's rate x its time), ``b`` its time."""
+
+
+def piece_lines(
+    model: ModelSpec, floors: list[TypeFloor], i: int, stages: int = 1
+) -> list[tuple[int, list[Line]]]:
+    """Returns, at micro-batch size ``floors[.].micro_batches[i]``, what every micro-batch
+    passes through once per pipeline, as (how many, lines over the types and TP degrees):
+    the layers, the embedding, the head, and ``stages`` stages' fixed costs (TP 1 at
+    least)."""
+    out: list[tuple[int, list[Line]]] = []
+    for count, attr in ((model.layers, "layer_tp"), (1, "embed_tp"), (1, "head_tp")):
+        lines = [
+            (t * f.rate_flops[i] * x, x)
+            for f in floors
+            for t, x in zip(f.tps, getattr(f, attr)[i], strict=True)
+        ]
+        out.append((count, lines))
+    out.append((stages, [(f.rate_flops[i] * f.fixed_s, f.fixed_s) for f in floors]))
+    return out
+
+
+def _envelope(lines: list[Line], lam: float) -> float:
+    return min(a + lam * b for a, b in lines)
+
+
+def _kinks(lines: list[Line]) -> list[float]:
+    """Returns the positive multipliers where the lower envelope of ``lines`` bends."""
+    out = []
+    for (a1, b1), (a2, b2) in itertools.combinations(lines, 2):
+        if b1 != b2:
+            lam = (a2 - a1) / (b1 - b2)
+            if lam > 0:
+                at = a1 + lam * b1
+                if at <= _envelope(lines, lam) * (1 + 1e-12):  # on the envelope: a bend
+                    out.append(lam)
+    return out
+
+
+def coupled_floor_s(
+    model: ModelSpec,
+    m: int,
+    floors: list[TypeFloor],
+    i: int,
+    rate: np.ndarray | float,
+    stages: int = 1,
+) -> np.ndarray:
+    """Returns the floor that couples throughput and critical path at micro-batch size i
+    (``m`` = global batch / size micro-batches in all, ``rate`` = sum of GPUs x their
+    type's best rate, per count combination).
+
+    Small tensor-parallel degrees compute efficiently but make each micro-batch's path
+    long; large ones shorten the path and spend more device-seconds: the throughput floor
+    takes every piece at its most efficient degree, the path floor at its fastest, and no
+    plan has both. For pipeline r with m_r micro-batches and stages j (TP t_j on a GPU of
+    rate w_j, per micro-batch time s_j): its devices are busy m_r s_j each, at most T, so
+    T x rate >= sum_r m_r E_r with E_r = sum_j t_j w_j s_j; its path P_r = sum_j s_j <= T.
+    For any lambda >= 0, E_r + lambda P_r = sum_j (t_j w_j + lambda) s_j >= H(lambda): every
+    layer, the embedding, the head and one fixed cost each at the least (t w + lambda) x
+    time over the types and degrees. Hence T x rate >= m (H(lambda) - lambda T), that is
+    T >= m H(lambda) / (rate + lambda m). H is concave and piecewise linear, so the ratio is
+    largest at one of its bends (or at 0, or at infinity: the path floor). With ``stages``,
+    every pipeline has at least that many stages, each with its fixed costs."""
+    pieces = piece_lines(model, floors, i, stages)
+    lams = {0.0}
+    for _, lines in pieces:
+        lams.update(_kinks(lines))
+    r = np.asarray(rate, dtype=float)
+    # lambda -> infinity: every piece at its fastest (the path floor)
+    out = np.full(r.shape, float(sum(n * min(b for _, b in lines) for n, lines in pieces)))
+    with np.errstate(divide="ignore", invalid="ignore"):
+        for lam in sorted(lams):
+            h = sum(n * _envelope(lines, lam) for n, lines in pieces)
+            out = np.maximum(out, np.nan_to_num(m * h / (r + lam * m), nan=0.0))
+    return out

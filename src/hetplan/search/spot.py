@@ -56,10 +56,20 @@ def checkpoint_time_s(plan: Plan, model: ModelSpec) -> float:
     return max(per_node, default=0) / LOCAL_WRITE_BYTES_PER_S
 
 
-def checkpoint_floor_s(model: ModelSpec, nodes: Any) -> Any:
+def checkpoint_floor_s(model: ModelSpec, nodes: Any, stages: Any = None) -> Any:
     """Returns a lower bound of ``checkpoint_time_s`` for any plan on ``nodes`` nodes: every
-    shard is held by some node, so the fullest node holds at least the mean."""
-    out = sum(shard_bytes(model).values()) / np.maximum(np.asarray(nodes, float), 1.0)
+    shard is held by some node, so the fullest node holds at least the mean over the nodes.
+    Also, one pipeline holds every shard, each on one of its stages, and every node of a
+    stage holds all of the stage's shards; at most as many stages as shards hold any, so
+    some node holds at least the shards' total over their number, and at least the largest
+    shard. ``stages``: the plan has a pipeline of at most that many stages (its shards
+    spread over no more)."""
+    sizes = shard_bytes(model).values()
+    total = sum(sizes)
+    spread = np.minimum(np.maximum(np.asarray(nodes, float), 1.0), len(sizes))
+    if stages is not None:
+        spread = np.minimum(spread, np.maximum(np.asarray(stages, float), 1.0))
+    out = np.maximum(total / spread, max(sizes))
     return out / LOCAL_WRITE_BYTES_PER_S
 
 
