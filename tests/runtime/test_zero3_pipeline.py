@@ -87,7 +87,13 @@ def _reference() -> list:
 
 
 @pytest.mark.distributed
-def test_deferred_stage_syncs_zero3_layers_once_per_step(tmp_path: Path) -> None:
+def test_deferred_stage_syncs_zero3_layers_once_per_step(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the spawned workers unpickle ``_worker`` from this module (``tests.runtime...`` under
+    # pytest's importlib mode): the repository root must be on the path they inherit, which
+    # the ``pytest`` console script, unlike ``python -m pytest``, does not put there
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2]))
     ref = _reference()
     plain = _run(tmp_path, deferred=False)
     deferred = _run(tmp_path, deferred=True)

@@ -49,8 +49,9 @@ def check_plan_support(plan: Plan, model: ModelSpec, layout: RuntimeLayout, devi
     if plan.zero_stage == 3 and not plan.is_uniform():
         raise InputError(
             "zero_stage",
-            "3 gathers each layer per micro-batch across replicas, so the runtime needs "
-            "replicas with equal stages and batch shares (use 1 or 2 for this plan)",
+            "3 shards each layer with FSDP across the replicas that hold it, whose "
+            "collectives must line up, so the runtime needs replicas with equal stages and "
+            "batch shares (use 1 or 2 for this plan)",
         )
     if plan.sequence_parallel:
         for i, pipe in enumerate(plan.pipelines):
