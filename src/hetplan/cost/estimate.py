@@ -11,8 +11,7 @@ from hetplan.cluster import Cluster, Node
 from hetplan.cost import comm
 from hetplan.cost.memory import (
     MemoryBreakdown,
-    deferred_state_bytes,
-    even_chunks,
+    held_chunks,
     stage_activation_bytes,
     stage_params,
     state_bytes,
@@ -544,10 +543,11 @@ def grad_sync_times(layout: SyncLayout, plan: Plan, params: CostParams) -> list[
     volumes: 4/8 + e/8 of the fp32 all-reduce); zero where one replica holds it, and under
     ZeRO-2/3 otherwise, which reduce every micro-batch (``sharded_microbatch_s``)."""
     out = []
-    sharded = plan.zero_stage == 1 or deferred_sync(plan)
+    deferred = deferred_sync(plan)
+    sharded = plan.zero_stage == 1 or deferred
     e = element_bytes(plan.precision)
     for (n_params, holders), per_rank in zip(layout.groups, layout.members, strict=True):
-        if len(holders) <= 1 or (plan.zero_stage >= 2 and not deferred_sync(plan)):
+        if len(holders) <= 1 or (plan.zero_stage >= 2 and not deferred):
             out.append(0.0)
             continue
         tp_min = len(per_rank)
@@ -667,10 +667,8 @@ def estimate(
                 send = comm.p2p_s(act / stage.tp, node, nxt, params, conc)
             else:
                 send = 0.0
-            if deferred:  # ZeRO-2/3 with pipelining as PyTorch runs them (cost.sharding)
-                w, g, o = deferred_state_bytes(p_local, plan.precision, dp)
-            else:
-                w, g, o = state_bytes(p_local, plan.precision, plan.zero_stage, dp)
+            # deferred: ZeRO-2/3 with pipelining as PyTorch runs them (cost.sharding)
+            w, g, o = state_bytes(p_local, plan.precision, plan.zero_stage, dp, deferred)
             if plan.zero_stage == 3 and dp > 1 and not deferred:
                 w += zero3_working_bytes(model, stage.tp, plan.precision)
             units = peak_in_flight(plan.schedule, p, m, v, j)
@@ -679,7 +677,7 @@ def estimate(
             acts = act_memo.get(akey, -1.0)
             if acts < 0:
                 # the first stage's embedding outputs: counted from the action order
-                chunks = uneven or (even_chunks(stage.layers, v) if first else None)
+                chunks = held_chunks(stage.layers, v, first, uneven)
                 held = held_layers(plan.schedule, p, m, j, chunks) if chunks else None
                 acts = act_memo[akey] = stage_activation_bytes(
                     model, stage.layers, stage.tp, plan.micro_batch_size,

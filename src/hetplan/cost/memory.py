@@ -41,10 +41,23 @@ def stage_params(
     return params
 
 
+SHARD_GRAD_BYTES = 4.0
+"""FSDP's reduce-scattered gradient shard: fp32 (torchtitan reduces in fp32)."""
+
+
 def state_bytes(
-    params_local: float, precision: str, zero_stage: int, dp: int
+    params_local: float, precision: str, zero_stage: int, dp: int, deferred: bool = False
 ) -> tuple[float, float, float]:
-    """Returns (weights, grads, optimizer) bytes of mixed-precision Adam under ZeRO 0-3."""
+    """Returns (weights, grads, optimizer) bytes of mixed-precision Adam under ZeRO 0-3.
+
+    ``deferred``: ZeRO-2/3 with pipelining as PyTorch runs them (``sharding.deferred_sync``):
+    the parameters gathered and held through the step and the gradients accumulated whole in
+    fp32 (FSDP2 upcasts its accumulation to the reduce dtype), so ZeRO-1's table, plus the
+    fp32 gradient shard each rank keeps after the one reduce-scatter of the step for the
+    optimizer: never less than ZeRO-1."""
+    if deferred:
+        w, g, o = state_bytes(params_local, precision, 1, dp)
+        return w, g + SHARD_GRAD_BYTES * params_local / dp, o
     # Megatron-Core distributed-optimizer docs (docs.nvidia.com/megatron-core/developer-guide/
     # latest/distrib_optimizer.html), bytes per parameter, non-distributed / distributed:
     # fp16 params + fp16 grads 20 / 4 + 16/d; bf16 params + fp32 grads 18 / 6 + 12/d;
@@ -64,22 +77,6 @@ def state_bytes(
         weights /= dp
     grads = model_grads + main_grads
     return weights * params_local, grads * params_local, opt * params_local
-
-
-SHARD_GRAD_BYTES = 4.0
-"""FSDP's reduce-scattered gradient shard: fp32 (torchtitan reduces in fp32)."""
-
-
-def deferred_state_bytes(
-    params_local: float, precision: str, dp: int
-) -> tuple[float, float, float]:
-    """Returns (weights, grads, optimizer) bytes of ZeRO-2/3 with pipelining as PyTorch
-    runs it (``sharding.deferred_sync``): the parameters gathered and held through the step
-    and the gradients accumulated whole in fp32 (FSDP2 upcasts its accumulation to the
-    reduce dtype), so ZeRO-1's table, plus the fp32 gradient shard each rank keeps after the
-    one reduce-scatter of the step for the optimizer: never less than ZeRO-1."""
-    w, g, o = state_bytes(params_local, precision, 1, dp)
-    return w, g + SHARD_GRAD_BYTES * params_local / dp, o
 
 
 def stage_activation_bytes(
@@ -114,12 +111,18 @@ def stage_activation_bytes(
                                     in_flight, v, held)  # fmt: skip
 
 
-def even_chunks(layers: int, v: int) -> tuple[int, ...] | None:
-    """Returns a stage's ``v`` equal chunks for ``schedule.held_layers`` where interleaved
-    (v > 1), else None. The first stage needs them: its embedding outputs live per chunk-0
-    micro-batch, and the action order, not ``in_flight / v``, says how many are held (with
-    p = 4, v = 2, m = 8, its 11 chunks in flight at the peak include chunk 0 of all 8)."""
-    if v <= 1 or layers % v:
+def held_chunks(
+    layers: int, v: int, first: bool, chunks: tuple[int, ...] | None = None
+) -> tuple[int, ...] | None:
+    """Returns the chunk sizes whose action-order count (``schedule.held_layers``) a stage's
+    peak activations need, else None (``in_flight`` chunks of ``layers / v`` suffice): its
+    own ``chunks`` where they differ in size; on an interleaved first stage its ``v`` equal
+    chunks, since its embedding outputs live per chunk-0 micro-batch and the action order,
+    not ``in_flight / v``, says how many are held (with p = 4, v = 2, m = 8, its 11 chunks in
+    flight at the peak include chunk 0 of all 8)."""
+    if chunks is not None:
+        return chunks
+    if not first or v <= 1 or layers % v:
         return None
     return (layers // v,) * v
 
@@ -140,7 +143,7 @@ def combine_activation_bytes(
 
     ``working_bytes``: under full recomputation, the layer being recomputed holds its full
     activations during its backward (0 otherwise). ``held``: where chunks differ in size,
-    and on an interleaved first stage (``even_chunks``), the (layers, chunk-0 micro-batches)
+    and on an interleaved first stage (``held_chunks``), the (layers, chunk-0 micro-batches)
     held at the candidate peaks of the stage's action order (``schedule.held_layers``);
     None: ``in_flight`` chunks of ``layers / v`` layers.
     """

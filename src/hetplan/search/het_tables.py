@@ -29,8 +29,7 @@ from hetplan.cost.estimate import (
     stage_times,
 )
 from hetplan.cost.memory import (
-    deferred_state_bytes,
-    even_chunks,
+    held_chunks,
     stage_activation_bytes,
     stage_params,
     state_bytes,
@@ -97,12 +96,14 @@ def stage_state_bytes(
     precision: str,
     zero: int,
     dp: int,
+    deferred: bool = False,
 ) -> float:
     """Returns weights, gradients and optimizer state of one stage device, as ``estimate``
-    counts them (ZeRO-3's gathered working layers included when it shards)."""
+    counts them (ZeRO-3's gathered working layers included when it shards per layer;
+    ``deferred``: pipelined ZeRO-2/3, ``sharding.deferred_sync``)."""
     p_local = stage_params(model, layers, tp, first, last, single)
-    w, g, o = state_bytes(p_local, precision, zero, dp)
-    if zero == 3 and dp > 1:
+    w, g, o = state_bytes(p_local, precision, zero, dp, deferred)
+    if zero == 3 and dp > 1 and not deferred:
         w += zero3_working_bytes(model, tp, precision)
     return w + g + o
 
@@ -667,6 +668,7 @@ class PlanBounds:
         """Returns whether every stage fits, and the largest peak of a stage that does not
         (0 when all fit): the sums ``estimate`` makes, from the same memory functions."""
         model, dp = self.model, plan.dp
+        deferred = deferred_sync(plan)  # pipelined ZeRO-2/3, as estimate prices them
         worst = 0.0
         ok = True
         for pipe in plan.pipelines:
@@ -675,16 +677,12 @@ class PlanBounds:
             for j, stage in enumerate(pipe.stages):
                 node = self.node(stage.devices[0])
                 first, last = j == 0, j == p - 1
-                if deferred_sync(plan):  # pipelined ZeRO-2/3, as estimate prices them
-                    p_local = stage_params(model, stage.layers, stage.tp, first, last, p == 1)
-                    state = sum(deferred_state_bytes(p_local, plan.precision, dp))
-                else:
-                    zs = plan.zero_stage
-                    state = stage_state_bytes(
-                        model, stage.layers, stage.tp, first, last, p == 1, plan.precision, zs, dp
-                    )
+                state = stage_state_bytes(
+                    model, stage.layers, stage.tp, first, last, p == 1, plan.precision,
+                    plan.zero_stage, dp, deferred,
+                )  # fmt: skip
                 units = peak_in_flight(plan.schedule, p, m, plan.virtual_stages, j)
-                even = even_chunks(stage.layers, plan.virtual_stages) if first else None
+                even = held_chunks(stage.layers, plan.virtual_stages, first)
                 acts = stage_activation_bytes(
                     model, stage.layers, stage.tp, plan.micro_batch_size,
                     plan.sequence_parallel, plan.recompute, plan.flash_attention, first, last,

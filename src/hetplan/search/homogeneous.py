@@ -22,7 +22,7 @@ from hetplan.cost.estimate import (
 )
 from hetplan.cost.memory import (
     combine_activation_bytes,
-    even_chunks,
+    held_chunks,
     stage_params,
     state_bytes,
     zero3_working_bytes,
@@ -260,12 +260,9 @@ class _Scorer:
             if c.zero_stage == 3:
                 w += zero3_working_bytes(model, c.tp, precision)
             units = peak_in_flight(c.schedule, c.pp, m, c.virtual_stages, j)
-            held = None
-            if c.lightened:
-                chunks = lightened_chunks(shape.split, c.virtual_stages)[j]
-                held = held_layers(c.schedule, c.pp, m, j, chunks)
-            elif first and (even := even_chunks(shape.split[j], c.virtual_stages)):
-                held = held_layers(c.schedule, c.pp, m, j, even)  # its embedding outputs
+            light = lightened_chunks(shape.split, c.virtual_stages)[j] if c.lightened else None
+            chunks = held_chunks(shape.split[j], c.virtual_stages, first, light)
+            held = held_layers(c.schedule, c.pp, m, j, chunks) if chunks else None
             acts = combine_activation_bytes(
                 shape.split[j], shape.layer_act_bytes, shape.embed_act_bytes,
                 shape.head_act_bytes, shape.working_act_bytes, first, last, units,

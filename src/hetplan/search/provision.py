@@ -383,9 +383,9 @@ def _gpu_memory(job: _Job, offer: Offer) -> float:
 
 def _mixes(
     job: _Job, offers: list[Offer], points: list[Point]
-) -> tuple[int, int, int, list[Unexplored]]:
+) -> tuple[int, int, list[Unexplored]]:
     """Adds every two-type mix that bounds cannot rule out; returns (planned, pruned,
-    impossible, unexplored).
+    unexplored); those with no possible plan are counted by reason in ``job.impossible``.
 
     The bounds of every (count, count) configuration of every two offers are computed at once
     (numpy). Until none is left, the configurations the points found so far dominate at
@@ -397,7 +397,7 @@ def _mixes(
     from hetplan.search.heterogeneous import search_heterogeneous
 
     model, tokens, global_batch, precision, spot, params, _, prune, flash = job.unpack()
-    grid, pairs, impossible = _mix_grid(job, offers)
+    grid, pairs, _ = _mix_grid(job, offers)
     cache = SearchCache(model, params)  # mixes of the same offers share their class tables
     live = np.arange(grid.t_lb.size)
     planned = pruned = 0
@@ -415,7 +415,7 @@ def _mixes(
         if job.stop_at is not None and time.monotonic() >= job.stop_at:
             order = np.lexsort((grid.c_lb[live], grid.t_lb[live]))
             left = [_unexplored(grid, pairs, int(q)) for q in live[order]]
-            return planned, pruned, impossible, left
+            return planned, pruned, left
         with np.errstate(invalid="ignore", divide="ignore"):
             ratio = np.where(np.isfinite(front), c_lb / front, 0.0)
         pick = int(np.lexsort((c_lb, ratio))[0])
@@ -443,7 +443,7 @@ def _mixes(
         gpus = {a.gpu.name: na * a.gpus_per_node, b.gpu.name: nb * b.gpus_per_node}
         points.append(Point(gpus, spot, t, t / 3600 * rented, rented, plan, est, cluster,
                             float(grid.t_lb[q]), pricing=job.pricing))  # fmt: skip
-    return planned, pruned, impossible, []
+    return planned, pruned, []
 
 
 def _tighten_spot(
@@ -614,7 +614,7 @@ def provision(
         planned += a
         pruned += b
     if mixes:
-        a, b, _, left = _mixes(job, offers, points)  # impossible ones: job.impossible
+        a, b, left = _mixes(job, offers, points)
         planned += a
         pruned += b
     front = pareto_front(points)  # every point carries its plan and estimate()
