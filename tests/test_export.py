@@ -1,3 +1,5 @@
+from dataclasses import replace
+
 import pytest
 
 from hetplan.cluster import parse_inline_cluster
@@ -68,3 +70,18 @@ def test_asymmetric_plans_are_refused():
         megatron_args(plan, model)
     with pytest.raises(InputError, match="symmetric"):
         deepspeed_config(plan, model)
+
+
+def test_distributed_optimizer_gathers_parameters_under_compute_only_when_it_reduces_so():
+    """The model hides ZeRO-1's parameter all-gather behind compute when the plan overlaps
+    the gradient reduction; Megatron-Core does that only with --overlap-param-gather, and
+    without sharding the flag has nothing to gather."""
+    model = load_model("gpt3-1.3b")
+    cl = parse_inline_cluster("A100-80GB:2x8")
+    sharded = uniform_plan(cl, model.layers, 2, 1, 8, 1, 64, zero_stage=1)
+    args = megatron_args(sharded, model)
+    assert "--overlap-grad-reduce" in args and "--overlap-param-gather" in args
+    plain = uniform_plan(cl, model.layers, 2, 1, 8, 1, 64, zero_stage=0)
+    assert "--overlap-param-gather" not in megatron_args(plain, model)
+    blocking = replace(sharded, overlap_grad_reduce=False)
+    assert "--overlap-param-gather" not in megatron_args(blocking, model)

@@ -1,5 +1,6 @@
 """The selection MILP's quick answers (packing_bound.py) against brute force and an
-independent LP solver, and the batched layer frontiers against one row at a time."""
+independent LP solver, the counted table and the identical-pipeline selection against
+brute force, and the batched layer frontiers against one row at a time."""
 
 from __future__ import annotations
 
@@ -10,8 +11,10 @@ import pytest
 from scipy.optimize import linprog
 
 from hetplan.search.packing_bound import (
+    counted_selection,
     lp_relaxation,
     settle,
+    uniform_selection,
     units_bound,
 )
 from hetplan.search.partition import uniform_frontier, uniform_frontiers
@@ -60,6 +63,64 @@ def test_bound_holds_and_answers_match_brute_force(seed):
             x = np.asarray(got)
             assert lo <= x.sum() <= hi and np.all(a @ x <= avail) and cap @ x >= need
             assert np.all(x >= 0) and np.all(x <= upper)
+
+
+def _brute_fewest(a, cap, avail, lo, hi, upper, need, same_column=False):
+    """The fewest pipelines of any integer selection running ``need`` micro-batches (None
+    when none does); ``same_column``: only selections of one column."""
+    best = None
+    for x in itertools.product(*(range(int(u) + 1) for u in upper)):
+        xv = np.array(x)
+        if same_column and np.count_nonzero(xv) > 1:
+            continue
+        if lo <= xv.sum() <= hi and np.all(a @ xv <= avail) and cap @ xv >= need:
+            best = int(xv.sum()) if best is None else min(best, int(xv.sum()))
+    return best
+
+
+@pytest.mark.parametrize("seed", range(80))
+def test_counted_selection_is_exact_with_fewest_pipelines(seed):
+    a, cap, avail, lo, hi = _instance(seed)
+    upper = _upper(a, avail, hi)
+    for need in range(1, int(cap.sum() * hi) + 2, 3):
+        want = _brute_fewest(a, cap, avail, lo, hi, upper, need)
+        got = counted_selection(a, cap, avail, lo, hi, need)
+        if want is None:
+            assert got is False, (need, got)
+            continue
+        assert isinstance(got, np.ndarray), (need, got)
+        assert lo <= got.sum() <= hi and np.all(a @ got <= avail) and cap @ got >= need
+        assert int(got.sum()) == want
+
+
+@pytest.mark.parametrize("seed", range(80))
+def test_uniform_selection_is_the_fewest_identical_pipelines(seed):
+    a, cap, avail, lo, hi = _instance(seed)
+    upper = _upper(a, avail, hi)
+    for need in range(1, int(cap.max() * hi) + 2, 2):
+        want = _brute_fewest(a, cap, avail, lo, hi, upper, need, same_column=True)
+        got = uniform_selection(cap, lo, hi, upper, need)
+        if want is None:
+            assert got is None
+            continue
+        assert got is not None and np.count_nonzero(got) == 1
+        assert lo <= got.sum() <= hi and np.all(a @ got <= avail) and cap @ got >= need
+        assert int(got.sum()) == want
+
+
+def test_counted_selection_by_hand():
+    # classes of 4 and 4 groups; column 0 takes 2+0 groups and runs 5, column 1 takes 1+2
+    # and runs 4 (test_hand_instance). With two pipelines at most: 2x col 0 runs 10,
+    # col 0 + col 1 runs 9, 2x col 1 runs 8; so 10 needs 2 pipelines and 11 is impossible.
+    # With three: 1x col 0 + 2x col 1 (A 4, V 4) runs 13, the most.
+    a = np.array([[2.0, 1.0], [0.0, 2.0]])
+    cap = np.array([5, 4])
+    avail = np.array([4, 4])
+    assert list(counted_selection(a, cap, avail, 1, 2, 5)) == [1, 0]
+    assert list(counted_selection(a, cap, avail, 1, 2, 10)) == [2, 0]
+    assert counted_selection(a, cap, avail, 1, 2, 11) is False
+    assert list(counted_selection(a, cap, avail, 1, 3, 13)) == [1, 2]
+    assert counted_selection(a, cap, avail, 1, 3, 14) is False
 
 
 @pytest.mark.parametrize("seed", range(60))

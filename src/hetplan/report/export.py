@@ -91,6 +91,10 @@ def megatron_args(plan: Plan, model: ModelSpec) -> list[str]:
         args.append("--use-flash-attn")
     if plan.overlap_grad_reduce and dp > 1:
         args.append("--overlap-grad-reduce")
+        if plan.zero_stage == 1:
+            # the model hides the sharded parameters' all-gather behind compute, which
+            # Megatron-Core does only with this flag (under the next step's forward)
+            args.append("--overlap-param-gather")
     if plan.overlap_tp_comm and tp > 1:
         args.append("--tp-comm-overlap")
     return [a for a in args if a]

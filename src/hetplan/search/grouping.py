@@ -5,7 +5,8 @@ A *variant* is one pipeline shape: how many groups of each class it uses, with i
 modelled ``fill`` and ``bottleneck`` per micro-batch. Choosing how many pipelines of each
 variant to build, and how many micro-batches each runs, so that the slowest pipeline is
 as fast as possible, is solved exactly: bisection on the iteration time Z, where each
-step is an integer program (HiGHS) maximising the micro-batches processable within Z.
+step is an integer program asking whether the micro-batches fit within Z (answered by
+``packing_bound`` where it can, else by HiGHS).
 """
 
 from __future__ import annotations
@@ -83,6 +84,9 @@ class MilpMemo:
     """MILPs solved by HiGHS."""
     proofs: int = 0
     """Instances proven infeasible without HiGHS (``packing_bound``)."""
+    rounded: int = 0
+    """Instances answered with a point by ``packing_bound`` (identical pipelines, a rounded
+    LP point or its table), HiGHS not asked."""
     hits: int = 0
     duals: list[NDArray[np.float64]] = field(default_factory=list)
     """Duals of the latest infeasibility proofs, tried first on the next instances."""
@@ -212,6 +216,10 @@ def select_pipelines(
     is, the best time is at most ``cutoff_s + slack_s``, where the bisection starts.
     ``steps`` (``bound_steps``): per row, the multiple its micro-batches must be
     (interleaved pipelines run a multiple of their stages); default 1.
+
+    Each bisection step asks whether some selection runs every micro-batch within Z:
+    ``packing_bound`` answers where it can (identical pipelines, a rounded LP point, or
+    its exact table; "no" by the dual bound), HiGHS the rest; the memo keeps every answer.
     """
     fill = np.asarray(fill_s, dtype=float)
     bott = np.asarray(bottleneck_s, dtype=float)
@@ -245,10 +253,10 @@ def select_pipelines(
         gid: NDArray[np.int64],
         z: float,
         step: NDArray[np.int64] | None,
-        exists_only: bool = False,
     ) -> NDArray[np.int64] | None:
-        """Returns pipelines per row running every micro-batch within ``z`` (the MILP's
-        answer: the search goes on from it), or None; ``exists_only``: any such point."""
+        """Returns pipelines per row running every micro-batch within ``z``, or None when
+        none do: a point ``packing_bound`` finds (checked in integers), else the MILP's
+        answer; "none" proven by ``packing_bound`` or HiGHS."""
         c, f, b = rows
         cap = _caps(f, b, z, total_micro, step)
         cols = _columns(c, gid, cap, f + (cap - 1) * b)
@@ -258,12 +266,13 @@ def select_pipelines(
             x = memo.answers[key]
         else:
             a = c[cols].T.astype(float)
-            quick = settle(a, cap[cols], avl, (lo_n, hi_n), total_micro, exists_only, memo.duals)
+            quick = settle(a, cap[cols], avl, (lo_n, hi_n), total_micro, True, memo.duals)
             if quick is False:  # proven infeasible: the MILP's answer too
                 memo.proofs += 1
                 x = memo.answers[key] = None
-            elif isinstance(quick, np.ndarray):  # a point, not the MILP's own: not kept
-                x = quick
+            elif isinstance(quick, np.ndarray):  # a feasible point: as good an answer
+                memo.rounded += 1
+                x = memo.answers[key] = quick
             else:
                 memo.solves += 1
                 x = memo.answers[key] = _max_units(a, cap[cols], avl, (lo_n, hi_n), total_micro)
@@ -285,7 +294,7 @@ def select_pipelines(
         if floor >= cutoff_s:
             return None
         z = cutoff_s * (1 - 1e-12)
-        if feasible((bc, bf, bb), groups(bc), z, bound_steps, exists_only=True) is None:
+        if feasible((bc, bf, bb), groups(bc), z, bound_steps) is None:
             return None
     rows, gid = (cnt, fill, bott), groups(cnt)
 

@@ -7,9 +7,15 @@ can pipelines ``x`` (integers, ``0 <= x <= upper``) with ``a @ x <= avail`` and
   (weak LP duality, term by term). ``y`` and ``t`` come from the LP relaxation solved by a
   small bounded-variable simplex; the bound is then recomputed from that formula, so a
   simplex inaccuracy can only weaken it, never make it wrong. ``cap @ x`` is an integer.
-* *Yes*, proven: the LP optimum rounded down, completed greedily, checked in integers.
+* *Yes*, proven: identical pipelines of one column (the fewest that suffice); else the
+  LP optimum rounded down (or one fractional column up), completed greedily; every point
+  checked in integers.
+* Either, exactly: a table over the groups left and the number of pipelines
+  (``counted_selection``) where it is small (``DP_CELLS``); its point has the fewest
+  pipelines.
 
-Either answer is the MILP's own (infeasible, or feasible); anything else goes to HiGHS.
+"No" is the MILP's own answer; a "yes" point is as good an answer as HiGHS's (any point
+that runs every micro-batch within the time asked). Anything else goes to HiGHS.
 """
 
 from __future__ import annotations
@@ -27,6 +33,8 @@ MAX_PIVOTS = 200
 SHORTFALL = 1e3
 HINTS = 3
 TOL = 1e-9
+DP_CELLS = 8_000_000
+"""The most (groups-left cell, column, pipeline count) steps ``counted_selection`` takes."""
 
 
 def lp_relaxation(
@@ -133,28 +141,15 @@ def units_bound(
     return float(avail.astype(float) @ y + np.min(count + over))
 
 
-def rounded_selection(
-    a: FloatArray,
-    cap: IntArray,
-    avail: IntArray,
-    lo: int,
-    hi: int,
-    upper: FloatArray,
-    x_lp: FloatArray,
-    need: int,
-) -> IntArray | None:
-    """Returns integer pipelines per column meeting every constraint and ``need``, built
-    from the LP optimum rounded down and completed with the largest capacities that still
-    fit; None when that does not reach ``need`` (which proves nothing)."""
-    x = np.floor(x_lp + 1e-9).astype(np.int64)
-    x = np.minimum(x, upper.astype(np.int64))
-    ai = np.rint(a).astype(np.int64)
-    left = avail.astype(np.int64) - ai @ x
-    if np.any(left < 0):
-        x = np.zeros_like(x)
-        left = avail.astype(np.int64).copy()
+def _complete(
+    x: IntArray, ai: IntArray, avail: IntArray, hi: int, upper: IntArray, order: IntArray
+) -> IntArray:
+    """Returns ``x`` with pipelines added, column by column in ``order``, as many as still
+    fit in the groups left, the column's upper bound and ``hi`` pipelines."""
+    x = x.copy()
+    left = avail - ai @ x
     count = int(x.sum())
-    for v in np.argsort(-cap, kind="stable"):
+    for v in order:
         if count >= hi:
             break
         col = ai[:, v]
@@ -167,8 +162,115 @@ def rounded_selection(
             x[v] += add
             left -= add * col
             count += add
-    ok = lo <= count <= hi and np.all(ai @ x <= avail) and int(cap @ x) >= need
-    return x if ok else None
+    return x
+
+
+def rounded_selection(
+    a: FloatArray,
+    cap: IntArray,
+    avail: IntArray,
+    lo: int,
+    hi: int,
+    upper: FloatArray,
+    x_lp: FloatArray,
+    need: int,
+    duals: FloatArray | None = None,
+) -> IntArray | None:
+    """Returns integer pipelines per column meeting every constraint and ``need``, or None
+    when no try reaches it (which proves nothing). Tries, in turn: the LP optimum rounded
+    down, then that with one fractional column rounded up (each fractional column in
+    turn), each completed with the columns that still fit by largest capacity, then (with
+    ``duals``) by largest capacity less the dual price of the groups they use; every
+    candidate is checked in integers."""
+    ai = np.rint(a).astype(np.int64)
+    avail = avail.astype(np.int64)
+    top = upper.astype(np.int64)
+    base = np.minimum(np.floor(x_lp + 1e-9).astype(np.int64), top)
+    if np.any(ai @ base > avail) or int(base.sum()) > hi:
+        base = np.zeros_like(base)
+    starts = [base]
+    for v in np.flatnonzero(x_lp - base > 1e-9):
+        up = base.copy()
+        up[v] += 1
+        if up[v] <= top[v] and int(up.sum()) <= hi and np.all(ai @ up <= avail):
+            starts.append(up)
+    orders = [np.argsort(-cap, kind="stable")]
+    if duals is not None:
+        price = np.maximum(duals[: a.shape[0]], 0.0) @ a
+        orders.append(np.argsort(-(cap - price), kind="stable"))
+    for start in starts:
+        for order in orders:
+            x = _complete(start, ai, avail, hi, top, order)
+            count = int(x.sum())
+            if lo <= count <= hi and np.all(ai @ x <= avail) and int(cap @ x) >= need:
+                return x
+    return None
+
+
+def uniform_selection(
+    cap: IntArray, lo: int, hi: int, upper: FloatArray, need: int
+) -> IntArray | None:
+    """Returns the selection of identical pipelines (one column) that runs ``need``
+    micro-batches with the fewest pipelines (the largest capacity among those), or None
+    when no single column can. ``upper[v]``: the most pipelines of column v the groups
+    hold (each class's groups over the groups a pipeline takes)."""
+    n = np.maximum(-(-need // np.maximum(cap, 1)), lo)
+    ok = (cap > 0) & (n <= np.minimum(upper, hi))
+    if not np.any(ok):
+        return None
+    cols = np.flatnonzero(ok)
+    v = int(cols[np.lexsort((-cap[cols], n[cols]))[0]])
+    x = np.zeros(cap.size, dtype=np.int64)
+    x[v] = n[v]
+    return x
+
+
+def counted_selection(
+    a: FloatArray, cap: IntArray, avail: IntArray, lo: int, hi: int, need: int
+) -> bool | IntArray | None:
+    """Returns, by dynamic programming over the groups left, a selection with the fewest
+    pipelines (from ``lo``) that runs ``need`` micro-batches, or False when none does
+    (every selection of up to ``hi`` pipelines was covered); None when the table would
+    exceed ``DP_CELLS`` steps (unknown).
+
+    ``best[j][r]``: the most micro-batches of exactly j pipelines using at most ``r``
+    groups of each class; ``best[j + 1][r] = max_v best[j][r - a_v] + cap_v``. Removing m
+    pipelines of a selection leaves one of j, so no selection of j + m pipelines runs
+    more than ``best[j][avail] + m * max(cap)``: the table stops when that falls short."""
+    ai = np.rint(a).astype(np.int64)
+    k, n = ai.shape
+    cols = [v for v in range(n) if np.all(ai[:, v] <= avail) and cap[v] > 0]
+    shape = tuple(int(x) + 1 for x in avail)
+    if math.prod(shape) * max(len(cols), 1) * hi > DP_CELLS:
+        return None
+    if lo <= 0 and need <= 0:
+        return np.zeros(n, dtype=np.int64)
+    none = np.iinfo(np.int64).min // 4
+    full = tuple(int(x) for x in avail)
+    most = int(cap.max(initial=0))
+    best = [np.zeros(shape, dtype=np.int64)]
+    for j in range(1, hi + 1):
+        prev, nxt = best[-1], np.full(shape, none, dtype=np.int64)
+        for v in cols:
+            dst = tuple(slice(int(ai[i, v]), None) for i in range(k))
+            src = tuple(slice(0, shape[i] - int(ai[i, v])) for i in range(k))
+            np.maximum(nxt[dst], prev[src] + int(cap[v]), out=nxt[dst])
+        best.append(nxt)
+        top = int(nxt[full])
+        if j >= lo and top >= need:
+            x = np.zeros(n, dtype=np.int64)
+            r = np.array(full, dtype=np.int64)
+            for i in range(j, 0, -1):  # back through the table: which pipeline came last
+                for v in cols:
+                    left = r - ai[:, v]
+                    if np.all(left >= 0) and best[i - 1][tuple(left)] + cap[v] == best[i][tuple(r)]:
+                        x[v] += 1
+                        r = left
+                        break
+            return x
+        if top < 0 or top + (hi - j) * most < need:
+            return False
+    return False
 
 
 def settle(
@@ -192,6 +294,10 @@ def settle(
     upper = np.minimum(
         np.min(np.where(a > 0, avail[:, None] // np.maximum(a, 1), np.inf), axis=0), hi
     )
+    if want_point:  # identical pipelines first: the plans estimate ranks best
+        x = uniform_selection(cap, lo, hi, upper, need)
+        if x is not None:
+            return x
     margin = need - 1e-6 * max(1, need)
     for duals in reversed(hints or []):
         if units_bound(a, cap, avail, lo, hi, upper, duals) < margin:
@@ -203,5 +309,6 @@ def settle(
             del hints[:-HINTS]
         return False
     if want_point:
-        return rounded_selection(a, cap, avail, lo, hi, upper, x_lp, need)
+        x = rounded_selection(a, cap, avail, lo, hi, upper, x_lp, need, duals)
+        return x if x is not None else counted_selection(a, cap, avail, lo, hi, need)
     return None
