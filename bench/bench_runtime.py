@@ -72,6 +72,8 @@ FEATURES = {
     "dp2 zero1": ("1F1B", 2, 1, DP2, {"zero_stage": 1}),
     "dp2 zero2": ("1F1B", 2, 1, DP2, {"zero_stage": 2}),
     "dp2 zero3": ("1F1B", 2, 1, DP2, {"zero_stage": 3}),
+    # unequal micro-batch counts: each layer synced once a step (cost.sharding.deferred_sync)
+    "dp2 uneven 2:6 zero3": ("1F1B", 2, 1, PLANS["dp2 uneven 2:6"][3], {"zero_stage": 3}),
     "dp2 full recompute": ("1F1B", 2, 1, DP2, {"recompute": "full"}),
     "dp2 selective recompute": ("1F1B", 2, 1, DP2, {"recompute": "selective"}),
     "dp2 bf16": ("1F1B", 2, 1, DP2, {"precision": "bf16"}),

@@ -58,7 +58,8 @@ def _one_node_params() -> CostParams:
 
 def test_zero3_traffic_is_three_times_the_parameters_per_micro_batch():
     # one node of 8 A100s, ring volumes: each all-gather moves 7/8 of a layer's bf16
-    # parameters per GPU, the reduce-scatter 7/8 of its fp32 gradients; no compute to hide
+    # parameters per GPU, the reduce-scatter 7/8 of its fp32 gradients; no compute to hide.
+    # The layers only: embedding and head stay whole (next test)
     cluster = parse_inline_cluster("A100-80GB:1x8")
     node = cluster.nodes[0]
     model = ModelSpec("m", "gpt", 4, 1024, 8, 8, 4096, 8192, 512)
@@ -67,11 +68,33 @@ def test_zero3_traffic_is_three_times_the_parameters_per_micro_batch():
     exposed, after = sharded_microbatch_s(plan, model, 4, 1, True, True, True,
                                           [node] * 8, params, {}, 0.0, 0.0)  # fmt: skip
     layer = model.layer_params()
-    rest = model.embedding_params() + model.head_params()
     bw = node.intra_node_bytes_per_s
-    want = 7 / 8 * ((layer * 4 + rest) * (2 * 2 + 4)) / bw
+    want = 7 / 8 * (layer * 4 * (2 * 2 + 4)) / bw
     assert exposed == pytest.approx(want, rel=1e-9)
     assert after == 0.0
+
+
+def test_zero3_syncs_embedding_and_head_once_a_step_as_zero1():
+    # as the runtime (and its fsdp.py) runs them: kept whole, their fp32 gradients
+    # reduce-scattered and their bf16 parameters all-gathered once a step, whatever the
+    # micro-batches. 8 A100s on one node, micro-batch 1, 64 sequences: 8 micro-batches
+    cluster = parse_inline_cluster("A100-80GB:1x8")
+    node = cluster.nodes[0]
+    model = ModelSpec("m", "gpt", 4, 1024, 8, 8, 4096, 8192, 512)
+    plan = uniform_plan(cluster, 4, 1, 1, 8, 1, 64, precision="bf16", zero_stage=3,
+                        overlap_grad_reduce=False)  # fmt: skip
+    est = estimate(plan, model, cluster, _one_node_params())
+    bw = node.intra_node_bytes_per_s
+    # GPT: 8192 x 1024 token and 512 x 1024 position tables; an untied 8192 x 1024 head
+    # after the final LayerNorm (1024 weights, 1024 biases)
+    rest = 8192 * 1024 + 512 * 1024 + 8192 * 1024 + 2 * 1024
+    assert model.embedding_params() + model.head_params() == rest
+    st = est.stages[0]
+    assert st.grad_sync_s == pytest.approx(7 / 8 * rest * (4 + 2) / bw, rel=1e-9)
+    # per micro-batch, the layers' gathers and reduce-scatters (partly under compute)
+    assert 0 < st.zero_comm_s < 7 / 8 * 4 * model.layer_params() * (2 * 2 + 4) / bw
+    assert est.breakdown["sharded_dp_comm_s"] == pytest.approx(8 * st.zero_comm_s)
+    assert est.breakdown["data_parallel_sync_total_s"] == pytest.approx(st.grad_sync_s)
 
 
 def test_zero2_reduce_scatters_every_micro_batch_and_gathers_after_the_step():
@@ -124,3 +147,35 @@ def test_interleaved_chunks_carry_the_embedding_and_head_where_they_live():
     dur = {(s, k, c): end - start for s, k, mb, c, start, end in est.replays[0].events if mb == 0}
     assert dur[(0, "F", 0)] - dur[(0, "F", 1)] == pytest.approx(emb)
     assert dur[(1, "F", 1)] - dur[(1, "F", 0)] == pytest.approx(head)
+
+
+def test_zero3_replicas_with_unequal_micro_batches_sync_once_a_step():
+    # two replicas without pipelining, 2 and 6 micro-batches of 1: per micro-batch, FSDP's
+    # gathers of the longer replica would have no partner, so ZeRO-3 runs deferred (as the
+    # runtime does): every parameter's fp32 gradient reduce-scattered and its bf16 value
+    # all-gathered once a step (ring over 2 GPUs: half of each volume), nothing per
+    # micro-batch; ZeRO-2 (zeros for the missing micro-batches) and equal replicas do not
+    from dataclasses import replace
+
+    from hetplan.cost.memory import state_bytes
+    from hetplan.cost.sharding import deferred_sync
+
+    cluster = parse_inline_cluster("A100-80GB:1x2")
+    model = ModelSpec("m", "gpt", 4, 1024, 8, 8, 4096, 8192, 512)
+    even = uniform_plan(cluster, 4, 1, 1, 2, 1, 8, precision="bf16", zero_stage=3,
+                        overlap_grad_reduce=False)  # fmt: skip
+    a, b = even.pipelines
+    plan = replace(even, pipelines=(replace(a, batch_size=2), replace(b, batch_size=6)))
+    assert deferred_sync(plan)
+    assert not deferred_sync(even)
+    assert not deferred_sync(replace(plan, zero_stage=2))
+    est = estimate(plan, model, cluster, _one_node_params())
+    bw = cluster.nodes[0].intra_node_bytes_per_s
+    p = 4 * model.layer_params() + model.embedding_params() + model.head_params()
+    for st in est.stages:
+        assert st.zero_comm_s == 0.0
+        assert st.grad_sync_s == pytest.approx(1 / 2 * p * (4 + 2) / bw, rel=1e-9)
+        # ZeRO-1's bytes (bf16 weights, fp32 gradients, Adam over 2) and the gradient shard
+        want = (2 + 4 + 12 / 2 + 4 / 2) * p
+        assert st.memory.weights + st.memory.grads + st.memory.optimizer == pytest.approx(want)
+        assert sum(state_bytes(p, "bf16", 3, 2, deferred=True)) == pytest.approx(want)

@@ -22,6 +22,8 @@ TWO_BY_TWO = [(4, [(2, [0]), (2, [1])]), (4, [(2, [2]), (2, [3])])]
 TP2_BESIDE_PP2 = [(4, [(4, [0, 1])]), (4, [(2, [2]), (2, [3])])]
 TP2_TWICE = [(4, [(4, [0, 1])]), (4, [(4, [2, 3])])]
 DP2 = [(4, [(4, [0])]), (4, [(4, [1])])]
+SPLITS_1_3_AND_3_1 = [(4, [(1, [0]), (3, [1])]), (4, [(3, [2]), (1, [3])])]
+DP2_UNEVEN = [(2, [(4, [0])]), (6, [(4, [1])])]
 
 CASES = [
     (
@@ -39,6 +41,10 @@ CASES = [
         {"zero_stage": 3, "schedule": "Interleaved1F1B", "virtual_stages": 2},
     ),
     ("zero3 tp2 x 2 replicas", "llama", TP2_TWICE, {"zero_stage": 3, "recompute": "full"}),
+    # unequal replicas: each layer gathered and reduce-scattered once a step (runtime/fsdp.py)
+    ("zero3 asymmetric", "gpt", ASYM, {"zero_stage": 3}),
+    ("zero3 stage splits 1:3 and 3:1", "llama", SPLITS_1_3_AND_3_1, {"zero_stage": 3}),
+    ("zero3 no pipeline, batch 2:6", "gpt", DP2_UNEVEN, {"zero_stage": 3, "schedule": "GPipe"}),
     (
         "selective recompute, sequence parallel, no flash",
         "llama",

@@ -175,6 +175,30 @@ def test_estimate_uses_measured_zero3_layers(
     assert per_mb[0] >= 4 * 0.003
 
 
+def test_deferred_zero3_syncs_each_measured_layer_once_a_step(
+    inputs: dict[str, Path], profiled: Path, tmp_path: Path, write_plan: Any
+) -> None:
+    """Replicas of 1 and 3 micro-batches run ZeRO-3 deferred (``deferred_sync``): each layer
+    gathered and reduce-scattered once a step by FSDP, as the measured layer's backward
+    runs them (one gather, one reduce-scatter); embedding and head as ZeRO-1."""
+    model = load_model(str(inputs["llama"]))
+    cluster = load_cluster(str(inputs["cluster"]))
+    shutil.copy(profiled, tmp_path / "p.sqlite")
+    db = ProfileDB(tmp_path / "p.sqlite")
+    db.put_link("cpu", "reduce_scatter", 0.003, 4e7)
+    db.put_link("cpu", "allgather", 0.001, 1e8)
+    db.put_part("cpu", model, "zero3_comm_dp2", 1, 2, "fp32", LayerTimes(0.001, 0.002, 0.0))
+    uneven = [(2, [(4, [0])]), (6, [(4, [1])])]
+    plan = load_plan(write_plan(tmp_path / "z3.json", uneven, zero_stage=3))
+    est = estimate(plan, model, cluster, profile=ProfileDB(tmp_path / "p.sqlite"))
+    edge = model.embedding_params() + model.head_params()
+    # 2 members: one ring step each, half the bytes; fp32 gradients and parameters
+    want = 4 * 0.002 + (0.003 + 4 * edge / 2 / 4e7) + (0.001 + 4 * edge / 2 / 1e8)
+    for st in est.stages:
+        assert st.zero_comm_s == 0.0
+        assert st.grad_sync_s == pytest.approx(want)
+
+
 def test_profile_with_links_measures_gloo(
     inputs: dict[str, Path], tmp_path: Path, write_plan: Any
 ) -> None:

@@ -394,26 +394,31 @@ def sharded_microbatch_s(
         return comm.group_reduce_scatter_s(n * GRAD_BYTES, group, params, concurrency)
 
     if plan.zero_stage == 3:
+        # the layers only: embedding and head sync once a step (``grad_sync_times``)
         per_layer = model.layer_params() / tp
-        rest = max(total - layers * per_layer, 0.0)  # embedding and head
-        # a profile (hetplan profile --links) may hold one layer's ZeRO-3 cost measured as
-        # it runs, overlap included, for a group of this size: used as it is, per layer
-        part = f"zero3_comm_dp{len(group)}"
-        gpu = group[0].gpu
-        lz = params.compute.ask(
-            "part_times", gpu, model, part, tp, plan.micro_batch_size, plan.precision
-        )
-        if lz is not None and len({n.gpu.name for n in group}) == 1:
-            ends = zero3_exposed_s(gather(rest), scatter(rest), 1, 0.0, 0.0) if rest else 0.0
-            return layers * (lz.forward_s + lz.backward_s) + ends, 0.0
-        units = layers + (1 if rest > 0 else 0)
-        g = layers * gather(per_layer) + (gather(rest) if rest > 0 else 0.0)
-        r = layers * scatter(per_layer) + (scatter(rest) if rest > 0 else 0.0)
-        return zero3_exposed_s(g, r, units, forward_s, backward_s, share), 0.0
+        lz = measured_zero3_layer(plan, model, tp, group, params)
+        if lz is not None:
+            return layers * (lz.forward_s + lz.backward_s), 0.0
+        g, r = layers * gather(per_layer), layers * scatter(per_layer)
+        return zero3_exposed_s(g, r, layers, forward_s, backward_s, share), 0.0
     buckets = bucket_count(total, len(group))
     r = buckets * scatter(total / buckets)
     exposed = exposed_sync_s(r, backward_s, share, plan.overlap_grad_reduce, buckets)
     return exposed, gather(total)
+
+
+def measured_zero3_layer(
+    plan: Plan, model: ModelSpec, tp: int, group: list[Node], params: CostParams
+) -> Any:
+    """Returns one layer's ZeRO-3 cost as a profile (``hetplan profile --links``) measured
+    it over a group of this size and GPU type, overlap included (forward: its all-gather;
+    backward: another all-gather and its reduce-scatter), or None."""
+    if len({n.gpu.name for n in group}) != 1:
+        return None
+    part = f"zero3_comm_dp{len(group)}"
+    return params.compute.ask(
+        "part_times", group[0].gpu, model, part, tp, plan.micro_batch_size, plan.precision
+    )
 
 
 def pipeline_talkers(plan: Plan, node_of: Any) -> dict[str, int]:
@@ -473,6 +478,8 @@ class SyncLayout:
     members: list[list[list[Node]]]
     concurrency: dict[str, int]
     dp_members: dict[tuple[int, int], list[Node]]
+    edge_params: list[float] = field(default_factory=list)
+    """Per segment, the embedding and head parameters in it (ZeRO-3 syncs them once a step)."""
     classes: dict[bool, tuple[Any, ...]] = field(default_factory=dict, repr=False)
     """``layout_classes``' memo: per interleaving, (pipelines, talkers, pipeline classes)."""
 
@@ -526,7 +533,11 @@ def sync_layout(plan: Plan, model: ModelSpec, node_of: Any) -> SyncLayout:
         for h in holders:
             if per_rank and len(per_rank[0]) > len(dp_members.get(h, [])):
                 dp_members[h] = per_rank[0]
-    return SyncLayout(groups, group_members, concurrency, dp_members)
+    edges = [0.0] * len(groups)  # segments in layer order: the embedding's first
+    if groups:
+        edges[0] += model.embedding_params()
+        edges[-1] += model.head_params()
+    return SyncLayout(groups, group_members, concurrency, dp_members, edge_params=edges)
 
 
 GRAD_BYTES = 4.0
@@ -535,19 +546,31 @@ gradients by default; AMP's T4 trials, the fp16 runs with data parallelism in th
 data, are ranked better with fp32 volumes, so 4 bytes stays.)"""
 
 
-def grad_sync_times(layout: SyncLayout, plan: Plan, params: CostParams) -> list[float]:
+def grad_sync_times(
+    layout: SyncLayout, plan: Plan, params: CostParams, model: ModelSpec | None = None
+) -> list[float]:
     """Returns, per layer segment of ``layout``, the time of its gradient sync once per
     step: an all-reduce of the fp32 gradients; under ZeRO-1, and ZeRO-2/3 deferred by
     pipelining to ZeRO-1's once a step (``deferred_sync``), a reduce-scatter of the fp32
     gradients and an all-gather of the updated parameters in the plan's precision (ring
     volumes: 4/8 + e/8 of the fp32 all-reduce); zero where one replica holds it, and under
-    ZeRO-2/3 otherwise, which reduce every micro-batch (``sharded_microbatch_s``)."""
+    ZeRO-2 otherwise, which reduces every micro-batch (``sharded_microbatch_s``). ZeRO-3
+    shards the layers per micro-batch, but its embedding and head stay whole and sync as
+    ZeRO-1's, once a step, as the runtime runs them (``runtime/fsdp.py``). Deferred ZeRO-3
+    layers gather and reduce-scatter once a step with FSDP: where a profile measured a
+    layer's ZeRO-3 cost (``model`` given), its backward's (one gather, one reduce-scatter)
+    per layer and step."""
     out = []
     deferred = deferred_sync(plan)
-    sharded = plan.zero_stage == 1 or deferred
+    zero3 = plan.zero_stage == 3 and not deferred
+    sharded = plan.zero_stage == 1 or deferred or zero3
     e = element_bytes(plan.precision)
-    for (n_params, holders), per_rank in zip(layout.groups, layout.members, strict=True):
-        if len(holders) <= 1 or (plan.zero_stage >= 2 and not deferred):
+    for k, ((n_params, holders), per_rank) in enumerate(
+        zip(layout.groups, layout.members, strict=True)
+    ):
+        if zero3:
+            n_params = layout.edge_params[k]
+        if len(holders) <= 1 or n_params <= 0 or (plan.zero_stage == 2 and not deferred):
             out.append(0.0)
             continue
         tp_min = len(per_rank)
@@ -557,7 +580,18 @@ def grad_sync_times(layout: SyncLayout, plan: Plan, params: CostParams) -> list[
         for members in per_rank:
             if id(members) in times:
                 continue
-            if sharded:
+            lz = None
+            if deferred and plan.zero_stage == 3 and model is not None:
+                lz = measured_zero3_layer(plan, model, tp_min, members, params)
+            if lz is not None:  # the layers as FSDP runs them, the rest as ZeRO-1
+                edge = layout.edge_params[k]
+                layers = round((n_params - edge) / model.layer_params()) if model else 0
+                t = layers * lz.backward_s
+                if edge > 0:
+                    t += comm.group_reduce_scatter_s(edge / tp_min * GRAD_BYTES, members,
+                                                     params, conc)  # fmt: skip
+                    t += comm.group_allgather_s(edge / tp_min * e, members, params, conc)
+            elif sharded:
                 t = comm.group_reduce_scatter_s(n * GRAD_BYTES, members, params, conc)
                 t += comm.group_allgather_s(n * e, members, params, conc)
             else:
@@ -780,7 +814,7 @@ def estimate(
     sync_s: dict[tuple[int, int], float] = {}
     exposed_s: dict[tuple[int, int], float] = {}
     ready: dict[tuple[int, int], float] = {}
-    for t, (n_params, holders) in zip(grad_sync_times(layout, plan, params), groups,
+    for t, (n_params, holders) in zip(grad_sync_times(layout, plan, params, model), groups,
                                       strict=True):  # fmt: skip
         if len(holders) <= 1:
             continue

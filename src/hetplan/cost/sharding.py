@@ -20,6 +20,13 @@ last (``torch/distributed/pipelining/stage.py``, ``backward_maybe_with_nosync``:
 torchtitan also keeps the parameters gathered after the forward when pipelining. Such a
 stage gathers its parameters once, holds them and its gradients whole through the step and
 reduce-scatters once after the last backward: ZeRO-1's traffic (``deferred_sync``).
+
+ZeRO-3 replicas without pipelining whose batch shares give different micro-batch counts
+run the same way (FSDP's ``no_sync`` accumulation, parameters held from the first
+forward): per micro-batch, a replica with 3 micro-batches would issue a third gather and
+reduce-scatter of every layer that its 2-micro-batch peer never joins. Deferred, each layer
+syncs once a step whatever the counts. The runtime runs exactly these plans so
+(``runtime/fsdp.py``).
 """
 
 from __future__ import annotations
@@ -34,9 +41,15 @@ BUCKET_PARAMS = 40e6
 
 def deferred_sync(plan: Plan) -> bool:
     """Returns whether the plan's ZeRO-2/3 run as PyTorch's pipelining runs them: some
-    pipeline has several stages, so gradients and parameters stay whole until the last
-    micro-batch and the step moves ZeRO-1's bytes once (module docstring)."""
-    return plan.zero_stage >= 2 and plan.dp > 1 and any(len(p.stages) > 1 for p in plan.pipelines)
+    pipeline has several stages, or (ZeRO-3) replicas run different micro-batch counts, so
+    gradients and parameters stay whole until the last micro-batch and the step moves
+    ZeRO-1's bytes once (module docstring)."""
+    if plan.zero_stage < 2 or plan.dp <= 1:
+        return False
+    if any(len(p.stages) > 1 for p in plan.pipelines):
+        return True
+    counts = {plan.num_micro_batches(p) for p in plan.pipelines}
+    return plan.zero_stage == 3 and len(counts) > 1
 
 
 def bucket_count(params_local: float, dp: int) -> int:

@@ -8,7 +8,34 @@ With a multi-stage pipeline the layers run as PyTorch's pipelining runs FSDP2 an
 cost model prices it (``cost.sharding.deferred_sync``): gathered at the step's first
 forward and held (``reshard_after_forward=False``), gradients kept whole and accumulated
 with no sync for every micro-batch's backward but the last, which reduce-scatters them and
-reshards (``DeferredStage`` in ``pipeline.py`` sets the flags per backward).
+reshards (``DeferredStage`` in ``pipeline.py`` sets the flags per backward). Replicas
+without pipelining whose batch shares give different micro-batch counts run so too
+(per micro-batch, the longer replica's extra gathers would have no partner).
+
+Deferred, any replicas line up, whatever their stage splits and micro-batch counts. Each
+layer issues exactly two collectives a step over its sync group: its all-gather G(i) at
+the first forward that reaches it (micro-batch 0) and its reduce-scatter R(i) at the last
+backward. Order them globally G(0) < G(1) < ... < G(L-1) < R(L-1) < ... < R(0).
+
+1. Every rank issues its own collectives in that order. A rank's chunks hold increasing
+   layer ranges (virtual stage c*p+j), and micro-batch 0's forward passes them in
+   increasing order (chunk c+1's input comes, through the other stages, from chunk c's
+   output); its last backwards pass them in decreasing order for the same reason, after
+   all its forwards (they are micro-batch m-1's, the last to arrive). So the members of
+   a process group (they hold the same layers: a group is their holders at one TP
+   index) issue its collectives in the same order, as gloo and NCCL require.
+2. No cycle of waits. Suppose all collectives before c complete. A holder of c's layer
+   reaches c after compute, its pipeline's point-to-point transfers and earlier
+   collectives only: before G(i) its stage waits for micro-batch 0's activations from
+   earlier stages, which ran only layers below i (collectives G(<i)); before R(i) it waits
+   for gradients from later stages, which ran the backwards of layers above i (their
+   last ones issue R(>i)) and forwards (every G). Each pipeline's schedule is itself
+   deadlock-free, so every holder issues c and c completes; by induction, every one does.
+
+Embedding, head and TP collectives do not break this: the embedding and head sync after
+the pipeline step (``optim.py``), and a stage's TP ranks run the same layers in lockstep.
+``tests/runtime/test_zero3_pipeline.py`` counts the collectives on uneven replicas and
+``tests/runtime/test_features.py`` checks the training against one device.
 
 The embedding and head stay whole (their optimizer state is sharded as ZeRO-1/2, see
 ``optim.py``): a tied token table is held by the first and the last stage, which run at

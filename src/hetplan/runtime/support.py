@@ -46,13 +46,8 @@ def check_plan_support(plan: Plan, model: ModelSpec, layout: RuntimeLayout, devi
                     f"{plan.zero_stage} shards state among replicas of one tensor-parallel "
                     f"degree; {g.units[0]} is held at degrees {tps}",
                 )
-    if plan.zero_stage == 3 and not plan.is_uniform():
-        raise InputError(
-            "zero_stage",
-            "3 shards each layer with FSDP across the replicas that hold it, whose "
-            "collectives must line up, so the runtime needs replicas with equal stages and "
-            "batch shares (use 1 or 2 for this plan)",
-        )
+    # ZeRO-3 runs on any replicas of one TP degree per unit: unequal stage splits and batch
+    # shares sync each layer once a step (cost.sharding.deferred_sync, runtime/fsdp.py)
     if plan.sequence_parallel:
         for i, pipe in enumerate(plan.pipelines):
             tp = pipe.stages[0].tp
