@@ -26,9 +26,11 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from hetplan.cost.calibrate import fit, in_sample, leave_one_out, load_runs, shipped_files
+from hetplan.cost.calibrate_data import shipped_files
+from hetplan.cost.calibrate_fit import fit
+from hetplan.cost.calibrate_report import in_sample, leave_one_out
 from hetplan.cost.params import CostParams, load_params
-from hetplan.cost.runs import Run
+from hetplan.cost.runs import Run, load_runs
 from hetplan.hardware import catalog_gpus
 
 SAILOR = Path(__file__).resolve().parents[1] / "src/hetplan/data/calibration/sailor_clariden_opt350"

@@ -21,7 +21,8 @@ from hetplan.cost.params import default_params
 from hetplan.model import ModelSpec, load_model
 from hetplan.plan import Plan
 from hetplan.search.grouping import device_classes, select_pipelines
-from hetplan.search.het_tables import Knobs, class_table, stage_arrays
+from hetplan.search.het_tables import Knobs, class_table
+from hetplan.search.het_templates import stage_arrays
 from hetplan.search.het_variants import build_templates, variants
 from hetplan.search.heterogeneous import HeteroResult, search_heterogeneous
 

@@ -227,7 +227,9 @@ def default_market_mix_bounds(console: Console) -> None:
     """Issue 14: how far the proven bounds alone take `provision --spot --mixes` on the default
     market (GPT-3 1.3B, 2e10 tokens): every (count, count) mix of every two spot offers,
     those no plan can finish (a spot run preempted faster than it progresses, too little
-    memory), and of the rest those the single-type front prunes at their bounds, and those
+    memory), and of the rest those the single-type front prunes at their bounds: with the
+    throughput, path and coupled floors alone, with the batch floor too (whole micro-batches,
+    layers and GPUs: ``provision_batch``), then with the fewest-stages spot bound; and those
     whose time bound is below the fastest single-type point (no front point can prune them:
     they must be planned, or a tighter time bound found). CPU seconds of each step."""
     from dataclasses import replace as dc_replace
@@ -251,8 +253,12 @@ def default_market_mix_bounds(console: Console) -> None:
         prov._single_type(job, offer, points)
     singles_s = time.process_time() - start
     start = time.process_time()
+    old, _, _ = prov._mix_grid(job, offers, batch=False)
+    old_s = time.process_time() - start
+    start = time.process_time()
     grid, pairs, impossible = prov._mix_grid(job, offers)
     grid_s = time.process_time() - start
+    before = prov._front_cost(old.t_lb, points) > old.c_lb
     first = prov._front_cost(grid.t_lb, points) > grid.c_lb
     start = time.process_time()
     prov._tighten_spot(job, grid, pairs, np.nonzero(first)[0])
@@ -260,15 +266,16 @@ def default_market_mix_bounds(console: Console) -> None:
     live = prov._front_cost(grid.t_lb, points) > grid.c_lb
     fastest = min(p.time_to_train_s for p in points)
     table = Table(title="Default market, spot mixes, GPT-3 1.3B: what the proven bounds decide")
-    for col in ("mixes", "no plan can finish", "bounded", "live after the first bounds",
-                "live after the stage bound", "live with time bound < fastest single",
-                "singles CPU s", "bounds CPU s", "stage bound CPU s"):  # fmt: skip
+    for col in ("mixes", "no plan can finish", "bounded", "live: throughput, path, coupled",
+                "live: + batch floor", "live: + stage bound",
+                "live with time bound < fastest single", "singles CPU s",
+                "bounds CPU s (without / with batch)", "stage bound CPU s"):  # fmt: skip
         table.add_column(col)
     table.add_row(
         f"{grid.t_lb.size + impossible:,}", f"{impossible:,}", f"{grid.t_lb.size:,}",
-        f"{int(first.sum()):,}", f"{int(live.sum()):,}",
-        f"{int((live & (grid.t_lb < fastest)).sum()):,}", f"{singles_s:.1f}", f"{grid_s:.1f}",
-        f"{stage_s:.1f}",
+        f"{int(before.sum()):,}", f"{int(first.sum()):,}", f"{int(live.sum()):,}",
+        f"{int((live & (grid.t_lb < fastest)).sum()):,}", f"{singles_s:.1f}",
+        f"{old_s:.1f} / {grid_s:.1f}", f"{stage_s:.1f}",
     )  # fmt: skip
     console.print(table)
 

@@ -661,7 +661,8 @@ def calibrate(
 
     With a profile, the runs are predicted with its measured compute times, so the fit
     learns only what the profile does not cover (use the same --profile when predicting)."""
-    from hetplan.cost.calibrate import fit, in_sample, leave_one_out
+    from hetplan.cost.calibrate_fit import fit
+    from hetplan.cost.calibrate_report import in_sample, leave_one_out
     from hetplan.cost.runs import load_runs
 
     db = open_profile(profile_path)

@@ -7,18 +7,13 @@ from pathlib import Path
 import pytest
 
 from hetplan.cluster import parse_inline_cluster
-from hetplan.cost.calibrate import (
-    Run,
-    _pick_pairs,
-    fit,
-    in_sample,
-    leave_one_out,
-    load_runs,
-    resolve,
-    terms_report,
-)
+from hetplan.cost.calibrate_data import resolve
+from hetplan.cost.calibrate_fit import _pick_pairs, fit
+from hetplan.cost.calibrate_report import in_sample, leave_one_out
+from hetplan.cost.calibrate_terms import terms_report
 from hetplan.cost.estimate import estimate
 from hetplan.cost.params import CostParams, GPUEfficiency, load_params
+from hetplan.cost.runs import Run, load_runs
 from hetplan.errors import InputError
 from hetplan.model import ModelSpec, load_model
 from hetplan.search.layout import uniform_plan
@@ -325,7 +320,7 @@ def test_fit_keeps_nvlink_terms_within_what_the_links_measure():
     link no NCCL measurement shows: ~82% by ring, 480 GB/s busbw over NVLink SHARP,
     NVIDIA/nccl-tests#212; a few us per step): the fit must stay inside the measured
     bounds and say it sits on one, rather than follow the rows."""
-    from hetplan.cost.calibrate import MEASURED_BOUNDS
+    from hetplan.cost.calibrate_terms import MEASURED_BOUNDS
 
     cluster = parse_inline_cluster("H100-80GB:1x8")
     slow = GPUEfficiency(gemm_max=0.7, link_efficiency=0.3, intra_latency_s=1e-4)

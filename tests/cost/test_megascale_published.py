@@ -14,9 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from hetplan.cost.calibrate import load_runs, resolve, shipped_files
+from hetplan.cost.calibrate_data import resolve, shipped_files
 from hetplan.cost.estimate import estimate
 from hetplan.cost.params import load_params
+from hetplan.cost.runs import load_runs
 
 CSV = Path(str(shipped_files()[0])).parent / "megascale_175b_published.csv"
 

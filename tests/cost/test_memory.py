@@ -4,14 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from hetplan.cost.calibrate import (
-    fit_reserve_bytes,
-    load_runs,
-    memory_slack_bytes,
-    shipped_files,
-)
+from hetplan.cost.calibrate_data import shipped_files
+from hetplan.cost.calibrate_fit import fit_reserve_bytes, memory_slack_bytes
 from hetplan.cost.memory import stage_activation_bytes, state_bytes, zero3_working_bytes
 from hetplan.cost.params import default_params
+from hetplan.cost.runs import load_runs
 from hetplan.model import ModelSpec
 
 GPT = ModelSpec("gpt2-medium", "gpt", 24, 1024, 16, 16, 4096, 52256, 1024, tie_embeddings=True)
@@ -104,3 +101,23 @@ def test_amp_oom_rows_flagged_by_a_reserve_fitted_without_them():
     assert sum(r.measured is None for r in runs) == 5
     assert flagged_oom >= 3
     assert wrongly_flagged <= 1
+
+
+def test_zero3_keeps_embedding_and_head_whole_with_zero1_state():
+    """ZeRO-3 shards the transformer layers; the embedding and head stay whole with their
+    optimizer state sharded (ZeRO-1), as the runtime holds them. By hand, GPT-2 medium
+    (tied) on one stage, bf16, 4 replicas: layers 24 x 12,596,224 params at
+    (2 + 4 + 12) / 4 = 4.5 B, table and positions 52,256 x 1024 + 1024 x 1024 and the final
+    norm 2 x 1024 at 2 + 4 + 12 / 4 = 9 B, plus two gathered layers (2 x 2 B x layer)."""
+    from hetplan.cluster import parse_inline_cluster
+    from hetplan.cost.estimate import estimate
+    from hetplan.search.layout import uniform_plan
+
+    layer = 12 * 1024 * 1024 + 13 * 1024  # attention + MLP weights, biases, two norms
+    assert layer == GPT.layer_params()
+    edge = 52256 * 1024 + 1024 * 1024 + 2 * 1024
+    hand = 24 * layer * 4.5 + edge * 9.0 + 2 * layer * 2
+    cl = parse_inline_cluster("A100-80GB:1x4")
+    plan = uniform_plan(cl, GPT.layers, 1, 1, 4, 1, 8, precision="bf16", zero_stage=3)
+    mem = estimate(plan, GPT, cl, default_params()).stages[0].memory
+    assert mem.weights + mem.grads + mem.optimizer == pytest.approx(hand, rel=1e-12)

@@ -65,8 +65,9 @@ def test_llama3_405b_smaller_dp_gains_as_measured():
 def _nemo_175b() -> dict[int, tuple[float, float]]:
     """Returns {GPUs: (predicted, measured) tokens/s per GPU} of the NeMo rows, predicted
     with the shipped terms."""
-    from hetplan.cost.calibrate import load_runs, shipped_files
+    from hetplan.cost.calibrate_data import shipped_files
     from hetplan.cost.params import load_params
+    from hetplan.cost.runs import load_runs
 
     path = next(p for p in shipped_files() if p.name == "nemo_gpt3_175b_published.csv")
     params, out = load_params(None), {}

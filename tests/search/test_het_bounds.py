@@ -16,7 +16,8 @@ from hetplan.model import ModelSpec
 from hetplan.plan import Pipeline, Plan, Stage, validate_plan
 from hetplan.search import heterogeneous as het
 from hetplan.search.grouping import device_classes
-from hetplan.search.het_tables import Knobs, PlanBounds
+from hetplan.search.het_bounds import PlanBounds
+from hetplan.search.het_tables import Knobs
 
 GPUS = ["A100-80GB", "A100-40GB", "V100-32GB", "V100-16GB", "T4", "A10", "L4"]
 

@@ -25,7 +25,8 @@ from hetplan.search.constraints import (
     homogeneous_space,
 )
 from hetplan.search.heterogeneous import search_heterogeneous
-from hetplan.search.homogeneous import SearchSpace, search_homogeneous
+from hetplan.search.homogeneous import search_homogeneous
+from hetplan.search.homogeneous_candidates import SearchSpace
 
 TINY = ModelSpec("gpt-2L-1024", "gpt", 2, 1024, 16, 16, 4096, 50257, 2048)
 

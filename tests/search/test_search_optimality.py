@@ -64,7 +64,8 @@ from hetplan.market import market_from_dict
 from hetplan.model import ModelSpec, load_model
 from hetplan.plan import Pipeline, Plan, Stage, validate_plan
 from hetplan.search.heterogeneous import search_heterogeneous
-from hetplan.search.homogeneous import SearchSpace, search_homogeneous
+from hetplan.search.homogeneous import search_homogeneous
+from hetplan.search.homogeneous_candidates import SearchSpace
 from hetplan.search.provision import provision
 
 TOL = 1e-9

@@ -11,6 +11,7 @@ from hetplan.cluster import Cluster, Node
 from hetplan.cost import comm
 from hetplan.cost.memory import (
     MemoryBreakdown,
+    edge_params,
     held_chunks,
     stage_activation_bytes,
     stage_params,
@@ -702,7 +703,8 @@ def estimate(
             else:
                 send = 0.0
             # deferred: ZeRO-2/3 with pipelining as PyTorch runs them (cost.sharding)
-            w, g, o = state_bytes(p_local, plan.precision, plan.zero_stage, dp, deferred)
+            edge = edge_params(model, stage.tp, first, last, p == 1)
+            w, g, o = state_bytes(p_local, plan.precision, plan.zero_stage, dp, deferred, edge)
             if plan.zero_stage == 3 and dp > 1 and not deferred:
                 w += zero3_working_bytes(model, stage.tp, plan.precision)
             units = peak_in_flight(plan.schedule, p, m, v, j)

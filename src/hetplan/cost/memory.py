@@ -45,8 +45,19 @@ SHARD_GRAD_BYTES = 4.0
 """FSDP's reduce-scattered gradient shard: fp32 (torchtitan reduces in fp32)."""
 
 
+def edge_params(model: ModelSpec, tp: int, first: bool, last: bool, single_stage: bool) -> float:
+    """Returns the embedding and head parameters one TP rank of a stage holds (those of
+    ``stage_params`` outside the transformer layers)."""
+    return stage_params(model, 0, tp, first, last, single_stage)
+
+
 def state_bytes(
-    params_local: float, precision: str, zero_stage: int, dp: int, deferred: bool = False
+    params_local: float,
+    precision: str,
+    zero_stage: int,
+    dp: int,
+    deferred: bool = False,
+    whole_local: float = 0.0,
 ) -> tuple[float, float, float]:
     """Returns (weights, grads, optimizer) bytes of mixed-precision Adam under ZeRO 0-3.
 
@@ -54,7 +65,17 @@ def state_bytes(
     the parameters gathered and held through the step and the gradients accumulated whole in
     fp32 (FSDP2 upcasts its accumulation to the reduce dtype), so ZeRO-1's table, plus the
     fp32 gradient shard each rank keeps after the one reduce-scatter of the step for the
-    optimizer: never less than ZeRO-1."""
+    optimizer: never less than ZeRO-1.
+
+    ``whole_local``: of ``params_local``, those ZeRO-3 shards per layer does not (the
+    embedding and head, ``edge_params``): kept whole with ZeRO-1's sharded optimizer state,
+    as the runtime holds them (a tied table on the first and last stage cannot be gathered
+    across stages that run at different times) and as ``estimate`` syncs them, once a step.
+    """
+    if zero_stage == 3 and not deferred and whole_local > 0:
+        w3, g3, o3 = state_bytes(params_local - whole_local, precision, 3, dp)
+        w1, g1, o1 = state_bytes(whole_local, precision, 1, dp)
+        return w3 + w1, g3 + g1, o3 + o1
     if deferred:
         w, g, o = state_bytes(params_local, precision, 1, dp)
         return w, g + SHARD_GRAD_BYTES * params_local / dp, o

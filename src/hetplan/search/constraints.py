@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 from hetplan.cluster import Cluster
 from hetplan.errors import InputError, shown
 from hetplan.plan import RECOMPUTE, SCHEDULES, Plan
-from hetplan.search.homogeneous import SearchSpace
+from hetplan.search.homogeneous_candidates import SearchSpace
 
 MAX_RANGE = 1 << 20
 """The widest range a knob may be given (``1..1048576``): more is a typo."""

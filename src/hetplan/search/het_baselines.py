@@ -14,9 +14,10 @@ from hetplan.errors import InputError
 from hetplan.model import ModelSpec
 from hetplan.plan import Plan
 from hetplan.search.constraints import PlanConstraints, homogeneous_space
+from hetplan.search.het_bounds import PlanBounds
 from hetplan.search.het_cache import SearchCache
-from hetplan.search.het_tables import PlanBounds
-from hetplan.search.homogeneous import divisors, search_homogeneous
+from hetplan.search.homogeneous import search_homogeneous
+from hetplan.search.homogeneous_candidates import divisors
 from hetplan.search.layout import uniform_plan
 
 Scored = tuple[Plan, Estimate]

@@ -23,7 +23,8 @@ from hetplan.cost.params import CostParams
 from hetplan.model import ModelSpec
 
 if TYPE_CHECKING:
-    from hetplan.search.het_tables import FrontierCache, Knobs
+    from hetplan.search.het_tables import Knobs
+    from hetplan.search.het_templates import FrontierCache
 
 TableCaches = tuple[
     dict[tuple[int, bool, bool, bool], int],

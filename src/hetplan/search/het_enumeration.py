@@ -17,6 +17,7 @@ import numpy as np
 from hetplan.cost.estimate import p2p_wait_s
 from hetplan.cost.schedule import peak_in_flight
 from hetplan.plan import RECOMPUTE, Pipeline, Plan, Stage
+from hetplan.search.het_bounds import chunk_times, closed_bound_s, pipeline_bound_s
 from hetplan.search.het_generation import SearchState
 from hetplan.search.het_pool import CandidatePool
 from hetplan.search.het_space import (
@@ -25,13 +26,7 @@ from hetplan.search.het_space import (
     tp_options,
     zero_choices,
 )
-from hetplan.search.het_tables import (
-    Knobs,
-    chunk_times,
-    closed_bound_s,
-    pipeline_bound_s,
-    stage_state_bytes,
-)
+from hetplan.search.het_tables import Knobs, stage_state_bytes
 from hetplan.search.het_variants import count_pipelines, layer_splits, pipeline_shapes, placements
 
 ENUMERATION_BUDGET = 5_000_000

@@ -15,14 +15,8 @@ from hetplan.plan import RECOMPUTE
 from hetplan.search.grouping import MilpMemo, select_pipelines
 from hetplan.search.het_pool import CandidatePool
 from hetplan.search.het_space import dp_bands, schedule_options, tp_configs
-from hetplan.search.het_tables import (
-    ClassTable,
-    FrontierCache,
-    Knobs,
-    Template,
-    cap_positions,
-    per_layer_floor_s,
-)
+from hetplan.search.het_tables import ClassTable, Knobs, cap_positions, per_layer_floor_s
+from hetplan.search.het_templates import FrontierCache, Template
 from hetplan.search.het_variants import MAX_STAGES, Variants, build_plan, build_templates, variants
 
 LEADERS = 1

@@ -16,6 +16,7 @@ from hetplan.model import ModelSpec
 from hetplan.plan import Plan
 from hetplan.search.constraints import PlanConstraints, narrow
 from hetplan.search.grouping import DeviceClass
+from hetplan.search.het_bounds import PlanBounds
 from hetplan.search.het_cache import SearchCache
 from hetplan.search.het_space import (
     MICRO_BATCHES,
@@ -24,7 +25,7 @@ from hetplan.search.het_space import (
     tiebreak,
     zero_choices,
 )
-from hetplan.search.het_tables import ClassTable, Knobs, PlanBounds, class_table
+from hetplan.search.het_tables import ClassTable, Knobs, class_table
 from hetplan.search.progress import ProgressHook, SearchProgress
 
 

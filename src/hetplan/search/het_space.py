@@ -11,7 +11,7 @@ from dataclasses import replace
 from hetplan.model import ModelSpec
 from hetplan.plan import RECOMPUTE, Pipeline, Plan
 from hetplan.search.grouping import DeviceClass
-from hetplan.search.homogeneous import divisors
+from hetplan.search.homogeneous_candidates import divisors
 
 MICRO_BATCHES = (1, 2, 4, 8)
 MAX_VIRTUAL_STAGES = 8

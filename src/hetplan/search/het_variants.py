@@ -13,10 +13,9 @@ import numpy as np
 
 from hetplan.plan import Pipeline, Plan, Stage
 from hetplan.search.grouping import Selection
-from hetplan.search.het_tables import (
-    ClassTable,
+from hetplan.search.het_tables import ClassTable, Knobs
+from hetplan.search.het_templates import (
     FrontierCache,
-    Knobs,
     StageArrays,
     Template,
     class_orders,

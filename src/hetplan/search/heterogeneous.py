@@ -35,7 +35,8 @@ whose bound is below the best estimate found is dropped.
 The parts: ``het_space`` (the knob space, plan identity and tie-break), ``het_pool``
 (the ranked plans and the bound-ordered queue of candidates), ``het_generation`` (the
 generation pass and the bounds of whole knob settings), ``het_enumeration`` (the
-enumeration pass), ``het_result`` (``HeteroResult``); ``het_tables``, ``het_variants``,
+enumeration pass), ``het_result`` (``HeteroResult``); ``het_tables`` (class tables),
+``het_templates`` (pipeline templates), ``het_bounds`` (``PlanBounds``), ``het_variants``,
 ``partition``, ``grouping`` and ``het_baselines`` below them. This module runs them.
 """
 
@@ -52,12 +53,12 @@ from hetplan.model import ModelSpec
 from hetplan.search.constraints import PlanConstraints
 from hetplan.search.grouping import device_classes
 from hetplan.search.het_baselines import best_single_type, best_uniform
+from hetplan.search.het_bounds import PlanBounds
 from hetplan.search.het_cache import SearchCache
 from hetplan.search.het_enumeration import ENUMERATION_BUDGET, Enumeration, enumerate_all
 from hetplan.search.het_generation import SearchState
 from hetplan.search.het_result import HeteroResult
 from hetplan.search.het_space import canonical
-from hetplan.search.het_tables import PlanBounds
 from hetplan.search.progress import ProgressHook
 
 __all__ = ["HeteroResult", "search_heterogeneous", "search_with"]

@@ -27,12 +27,11 @@ from hetplan.market import Market, Offer, pricing_name
 from hetplan.model import ModelSpec
 from hetplan.plan import Plan
 from hetplan.search.constraints import PlanConstraints, homogeneous_space
-from hetplan.search.homogeneous import (
-    SearchMemo,
-    SearchSpace,
-    search_homogeneous,
-)
+from hetplan.search.homogeneous import search_homogeneous
+from hetplan.search.homogeneous_candidates import SearchSpace
+from hetplan.search.homogeneous_scoring import SearchMemo
 from hetplan.search.progress import ProgressHook, SearchProgress
+from hetplan.search.provision_batch import batch_floor_s
 from hetplan.search.provision_bounds import TypeFloor, iteration_floor_s, type_floor
 from hetplan.search.spot import (
     SpotTerms,
@@ -230,7 +229,8 @@ def _single_type(job: _Job, offer: Offer, points: list[Point]) -> tuple[int, int
     _count(job.impossible, "max_gpus", offer.max_nodes - max(most, 0))
     # the iteration floor of every count at once (one array: its multipliers computed once)
     counts = np.arange(max(most, 0) + 1) * offer.gpus_per_node
-    it_lbs = iteration_floor_s(model, global_batch, [floor], [counts])
+    it_lbs = np.maximum(iteration_floor_s(model, global_batch, [floor], [counts]),
+                        batch_floor_s(model, global_batch, [floor], counts))  # fmt: skip
     for nodes in range(most, 0, -1):
         load = offer_load(offer, nodes, terms)
         # a floor of every plan's checkpoint time (checkpoint_floor_s): one of the slowdown
@@ -310,11 +310,14 @@ class _MixGrid:
     usd_hour: np.ndarray
 
 
-def _mix_grid(job: _Job, offers: list[Offer]) -> tuple[_MixGrid, list[tuple[Offer, Offer]], int]:
+def _mix_grid(
+    job: _Job, offers: list[Offer], batch: bool = True
+) -> tuple[_MixGrid, list[tuple[Offer, Offer]], int]:
     """Returns the bounds of every two-offer configuration that could have a plan, the offer
     pairs, and how many configurations have none (past --max-gpus, a spot run that never
     finishes, or too little memory for the model's state: the heterogeneous search's own
-    refusal), counted by reason in ``job.impossible``."""
+    refusal), counted by reason in ``job.impossible``. ``batch``: with the batch floor
+    (``provision_batch``; False only to count what it prunes)."""
     from hetplan.search.heterogeneous import _state_floor_bytes
 
     model, spot = job.model, job.spot
@@ -360,6 +363,10 @@ def _mix_grid(job: _Job, offers: list[Offer]) -> tuple[_MixGrid, list[tuple[Offe
             xs, ys = np.nonzero(ok)  # the iteration floor only where a plan could finish
             slow_ok = np.broadcast_to(slow, total.shape)[xs, ys]
             it_lb = iteration_floor_s(model, job.global_batch, [fa, fb], [ga[xs, 0], gb[0, ys]])
+            if batch:  # whole micro-batches, layers and GPUs
+                it_lb = np.maximum(
+                    it_lb, batch_floor_s(model, job.global_batch, [fa, fb], ga[xs, 0] + gb[0, ys])
+                )
             t_lb = _iterations(job) * it_lb * slow_ok
             fin = np.isfinite(t_lb)  # a rate of zero: no plan (never for a GPU type sold)
             _count(job.impossible, "compute", int((~fin).sum()))

@@ -28,13 +28,14 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
+from functools import lru_cache
 
 import numpy as np
 
 from hetplan.cost.params import CostParams
 from hetplan.hardware import GPUType
 from hetplan.model import ModelSpec
-from hetplan.search.homogeneous import divisors
+from hetplan.search.homogeneous_candidates import divisors
 
 
 @dataclass(frozen=True)
@@ -239,15 +240,30 @@ def coupled_floor_s(
     T >= m H(lambda) / (rate + lambda m). H is concave and piecewise linear, so the ratio is
     largest at one of its bends (or at 0, or at infinity: the path floor). With ``stages``,
     every pipeline has at least that many stages, each with its fixed costs."""
-    pieces = piece_lines(model, floors, i, stages)
-    lams = {0.0}
-    for _, lines in pieces:
-        lams.update(_kinks(lines))
+    lams, h0, h1, p0, p1 = _multipliers(model, tuple(floors), i)
+    hs, path = h0 + stages * h1, p0 + stages * p1  # the fixed costs once per stage
     r = np.asarray(rate, dtype=float)
     # lambda -> infinity: every piece at its fastest (the path floor)
-    out = np.full(r.shape, float(sum(n * min(b for _, b in lines) for n, lines in pieces)))
+    out = np.full(r.shape, path)
     with np.errstate(divide="ignore", invalid="ignore"):
-        for lam in sorted(lams):
-            h = sum(n * _envelope(lines, lam) for n, lines in pieces)
-            out = np.maximum(out, np.nan_to_num(m * h / (r + lam * m), nan=0.0))
+        at = m * hs / (r[..., None] + lams * m)  # every bend at once
+        out = np.maximum(out, np.nan_to_num(at, nan=0.0).max(axis=-1, initial=0.0))
     return out
+
+
+@lru_cache(maxsize=4096)
+def _multipliers(
+    model: ModelSpec, floors: tuple[TypeFloor, ...], i: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, float, float]:
+    """Returns what ``coupled_floor_s`` needs, independent of the GPU counts and of the
+    stages: the multipliers where H bends (and 0); at each, H of the layers, embedding and
+    head, and of one stage's fixed costs; and both at infinity (their fastest times)."""
+    *pieces, (_, fixed) = piece_lines(model, list(floors), i, 1)
+    lams = {0.0}
+    for _, lines in [*pieces, (1, fixed)]:
+        lams.update(_kinks(lines))
+    grid = sorted(lams)
+    h0 = [sum(n * _envelope(lines, lam) for n, lines in pieces) for lam in grid]
+    h1 = [_envelope(fixed, lam) for lam in grid]
+    p0 = float(sum(n * min(b for _, b in lines) for n, lines in pieces))
+    return np.array(grid), np.array(h0), np.array(h1), p0, min(b for _, b in fixed)

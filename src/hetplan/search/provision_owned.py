@@ -35,6 +35,7 @@ from hetplan.search.provision import (
     _Job,
     gpus_label,
 )
+from hetplan.search.provision_batch import batch_floor_s
 from hetplan.search.provision_bounds import TypeFloor, iteration_floor_s, type_floor
 from hetplan.search.spot import checkpoint_floor_s, checkpoint_time_s, offer_load, slowdowns
 
@@ -179,18 +180,25 @@ def owned_first(
         own_hour = owned_usd_per_hour(mine)
         owned_gpus = _gpus_by_type(mine)
         it = float(iteration_floor_s(job.model, job.global_batch, floors, counts))
+        own_total = int(sum(int(np.sum(c)) for c in counts))
+        it = max(it, float(batch_floor_s(job.model, job.global_batch, floors,
+                                         np.array(own_total))))  # fmt: skip
         configs.append(_Config(mine, {}, own_hour, None, bound(mine, None, it), owned_gpus))
         for offer in offers:
             fl = _floor(job, offer)
             most = offer.max_nodes
             if job.max_gpus is not None:
                 most = min(most, (job.max_gpus - mine.num_gpus) // offer.gpus_per_node)
+            # whole micro-batches, layers and GPUs, every count of the offer at once
+            totals = own_total + np.arange(max(most, 0) + 1) * offer.gpus_per_node
+            whole = batch_floor_s(job.model, job.global_batch, [*floors, fl], totals)
             for n in range(1, most + 1):
                 load = offer_load(offer, n, job.terms) if job.spot else None
                 gpus = n * offer.gpus_per_node
                 usd_hour = own_hour + gpus * offer.price(job.pricing)
                 it = float(iteration_floor_s(job.model, job.global_batch, [*floors, fl],
                                              [*counts, np.array(gpus)]))  # fmt: skip
+                it = max(it, float(whole[n]))
                 cluster = Cluster(mine.nodes + tuple(rent_nodes[offer.name][:n]), owned.gpu_types)
                 t_lb = bound(cluster, load, it)
                 configs.append(_Config(cluster, {offer.gpu.name: gpus}, usd_hour, load, t_lb,

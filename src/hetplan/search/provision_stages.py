@@ -26,6 +26,7 @@ import numpy as np
 from hetplan.elastic.placement import shard_bytes
 from hetplan.market import Offer
 from hetplan.model import ModelSpec
+from hetplan.search.provision_batch import batch_floor_s
 from hetplan.search.provision_bounds import TypeFloor, iteration_floor_s
 from hetplan.search.spot import SpotTerms, checkpoint_floor_s, mixed_load, offer_load, slowdowns
 
@@ -62,7 +63,10 @@ def mix_time_floor_s(
     grid = stage_grid(model)
     best = np.full(np.shape(na), np.inf)
     for k, g in enumerate(grid):
-        it = iteration_floor_s(model, global_batch, list(floors), gpus, g)
+        it = np.maximum(
+            iteration_floor_s(model, global_batch, list(floors), gpus, g),
+            batch_floor_s(model, global_batch, list(floors), gpus[0] + gpus[1], g),
+        )
         # p* in [g, next): C's floor at next - 1 stages; past the last, any count of stages
         upper = grid[k + 1] - 1 if k + 1 < len(grid) else None
         slow = slowdowns(*load, terms, checkpoint_floor_s(model, na + nb, upper), True)

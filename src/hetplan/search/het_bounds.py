@@ -1,0 +1,236 @@
+"""Proven lower bounds the heterogeneous search prunes by: a pipeline's replay (or its
+closed form) on times no larger than ``estimate``'s, and ``PlanBounds``, memory and an
+iteration-time bound of concrete plans (devices placed).
+
+Nothing here models time on its own: stage times come from ``estimate``'s ``stage_times``
+and ``part_split``, each transfer from ``comm.p2p_s`` with the node links shared as
+``pipeline_talkers`` counts, each stage's wait in its transfers from ``p2p_wait_s``, the
+optimizer step from ``params.compute.optimizer_s``, memory from the memory functions
+``estimate`` sums and the replay from ``schedule.replay``.
+"""
+
+from __future__ import annotations
+
+from hetplan.cluster import Cluster, Node
+from hetplan.cost import comm
+from hetplan.cost.estimate import StageKey, p2p_wait_s, part_split, pipeline_talkers, stage_times
+from hetplan.cost.memory import held_chunks, stage_activation_bytes, stage_params
+from hetplan.cost.params import CostParams
+from hetplan.cost.schedule import EXACT_ACTION_LIMIT, held_layers, peak_in_flight, replay
+from hetplan.cost.sharding import deferred_sync
+from hetplan.model import ModelSpec
+from hetplan.plan import Plan, element_bytes
+from hetplan.search.het_tables import stage_state_bytes
+
+
+def chunk_times(
+    fwd_s: float,
+    bwd_s: float,
+    wait_s: float,
+    v: int,
+    parts: tuple[float, float, float, float],
+) -> tuple[list[float], list[float]]:
+    """Returns one stage's forward and backward-side time per chunk as ``estimate`` replays
+    them: the layers (and half the transfer wait each way) split evenly over ``v``
+    chunks, the embedding on chunk 0 and the head on chunk v-1 (``parts``, when v > 1)."""
+    ef, eb, hf, hb = parts if v > 1 else (0.0, 0.0, 0.0, 0.0)
+    f = (fwd_s - ef - hf + wait_s / 2) / v
+    b = (bwd_s - eb - hb + wait_s / 2) / v
+    fc = [f + (ef if c == 0 else 0.0) + (hf if c == v - 1 else 0.0) for c in range(v)]
+    bc = [b + (eb if c == 0 else 0.0) + (hb if c == v - 1 else 0.0) for c in range(v)]
+    return fc, bc
+
+
+def replay_is_exact(p: int, m: int, v: int) -> bool:
+    """Returns whether ``estimate`` replays a pipeline of this size action by action (its
+    longer runs are extrapolated, where only the closed-form bound is proven)."""
+    return (p == 1 and v == 1) or 2 * p * m * v <= EXACT_ACTION_LIMIT or m <= 3 * p
+
+
+def pipeline_bound_s(
+    schedule: str,
+    m: int,
+    fwd_c: list[list[float]],
+    bwd_c: list[list[float]],
+    send_s: list[float],
+    opt_s: list[float],
+) -> float:
+    """Returns a lower bound of the latest ``last backward end + optimizer`` over one
+    pipeline's stages in ``estimate``, for any plan whose stages' chunks take at least
+    ``fwd_c[j][c]`` / ``bwd_c[j][c]`` per micro-batch (waits included), whose transfers
+    take at least ``send_s`` (stage j to j+1, wrapping) and whose optimizer steps take at
+    least ``opt_s``.
+
+    The replay is monotone in every duration, so replaying these times bounds
+    ``estimate``'s where it replays exactly. Otherwise (see ``closed_bound_s``) per stage
+    j: its first forward waits for chunk 0 of every earlier stage and the transfers
+    between them, it then computes all its m micro-batches, and after its last backward
+    (chunk 0 of the last micro-batch) every earlier stage still runs that chunk's
+    backward, transfers included, before stage 0 ends."""
+    p, v = len(fwd_c), len(fwd_c[0])
+    if not replay_is_exact(p, m, v):
+        return closed_bound_s(m, fwd_c, bwd_c, send_s, opt_s)
+    if p == 1 and v == 1:
+        ends = [m * (fwd_c[0][0] + bwd_c[0][0])]
+    else:
+        ends = replay(schedule, m, v, fwd_c, bwd_c, list(send_s)).last_backward_end_s
+    return max(e + o for e, o in zip(ends, opt_s, strict=True)) * (1.0 - 1e-9)
+
+
+def closed_bound_s(
+    m: int,
+    fwd_c: list[list[float]],
+    bwd_c: list[list[float]],
+    send_s: list[float],
+    opt_s: list[float],
+) -> float:
+    """Returns the closed-form bound of ``pipeline_bound_s`` (non-decreasing in ``m``)."""
+    f_acc = b_acc = 0.0
+    out = last = 0.0
+    for j in range(len(fwd_c)):
+        own = f_acc + m * (sum(fwd_c[j]) + sum(bwd_c[j]))
+        out = max(out, own + opt_s[j])
+        last = max(last, own + b_acc)
+        f_acc += fwd_c[j][0] + send_s[j]
+        b_acc += bwd_c[j][0] + send_s[j]
+    return max(out, last + opt_s[0]) * (1.0 - 1e-9)
+
+
+class PlanBounds:
+    """Memory and a proven lower bound of ``estimate``'s iteration time for concrete plans
+    (devices placed), from ``estimate``'s own pieces; caches stage times, optimizer steps
+    and pipeline bounds across plans that share them (twins differing in ZeRO or sequence
+    parallelism share everything but memory and the optimizer's shards). ``pipes``: pipeline
+    bounds by their stage times (keyed by every number they read), shared across clusters."""
+
+    def __init__(
+        self,
+        model: ModelSpec,
+        cluster: Cluster,
+        params: CostParams,
+        pipes: dict[tuple[object, ...], float] | None = None,
+    ) -> None:
+        self.model = model
+        self.cluster = cluster
+        self.params = params
+        self._nodes: dict[str, Node] = {}
+        self._stage: dict[tuple[object, ...], tuple[float, ...]] = {}
+        self._opt: dict[tuple[object, ...], float] = {}
+        self._pipe: dict[tuple[object, ...], float] = {} if pipes is None else pipes
+        self._plans: dict[tuple[object, ...], float] = {}
+
+    def node(self, device: str) -> Node:
+        """Returns the node of a device (memoized)."""
+        hit = self._nodes.get(device)
+        if hit is None:
+            hit = self._nodes[device] = self.cluster.device_node(device)
+        return hit
+
+    def fits(self, plan: Plan) -> tuple[bool, float]:
+        """Returns whether every stage fits, and the largest peak of a stage that does not
+        (0 when all fit): the sums ``estimate`` makes, from the same memory functions."""
+        model, dp = self.model, plan.dp
+        deferred = deferred_sync(plan)  # pipelined ZeRO-2/3, as estimate prices them
+        worst = 0.0
+        ok = True
+        for pipe in plan.pipelines:
+            p = len(pipe.stages)
+            m = plan.num_micro_batches(pipe)
+            for j, stage in enumerate(pipe.stages):
+                node = self.node(stage.devices[0])
+                first, last = j == 0, j == p - 1
+                state = stage_state_bytes(
+                    model, stage.layers, stage.tp, first, last, p == 1, plan.precision,
+                    plan.zero_stage, dp, deferred,
+                )  # fmt: skip
+                units = peak_in_flight(plan.schedule, p, m, plan.virtual_stages, j)
+                even = held_chunks(stage.layers, plan.virtual_stages, first)
+                acts = stage_activation_bytes(
+                    model, stage.layers, stage.tp, plan.micro_batch_size,
+                    plan.sequence_parallel, plan.recompute, plan.flash_attention, first, last,
+                    units, plan.virtual_stages, plan.precision,
+                    held_layers(plan.schedule, p, m, j, even) if even else None,
+                )  # fmt: skip
+                total = state + acts + self.params.memory_reserve_bytes
+                if total > node.gpu.memory_bytes:
+                    ok = False
+                    worst = max(worst, total)
+        return ok, worst
+
+    def bound_s(self, plan: Plan, exact: bool = True) -> float:
+        """Returns a lower bound of ``estimate(plan).iteration_time_s``: per pipeline, the
+        replay (or its closed-form bound) of ``stage_times`` with the plan's transfers
+        (the node links shared as ``pipeline_talkers`` counts) and waits, each stage
+        ending with its optimizer step; gradient reduction and ZeRO-2/3's collectives
+        only add (left out). ``exact=False``: the closed-form bound alone (cheaper)."""
+        v = plan.virtual_stages
+        tk = (plan.micro_batch_size, plan.precision, plan.recompute, v, plan.flash_attention,
+              plan.overlap_tp_comm, plan.sequence_parallel)  # fmt: skip
+        shards = plan.dp if plan.zero_stage >= 1 else 1
+        # twins differing in the ZeRO stage alone share it (the optimizer's shards aside)
+        key = (plan.pipelines, plan.schedule, *tk, shards, exact)
+        hit = self._plans.get(key)
+        if hit is None:
+            hit = self._plans[key] = self._bound_s(plan, tk, shards, exact)
+        return hit
+
+    def _bound_s(self, plan: Plan, tk: tuple[object, ...], shards: int, exact: bool) -> float:
+        model, params = self.model, self.params
+        v = plan.virtual_stages
+        act = plan.micro_batch_size * model.seq * model.hidden * element_bytes(plan.precision)
+        talkers = pipeline_talkers(plan, self.node)
+        out = 0.0
+        for pipe in plan.pipelines:
+            p = len(pipe.stages)
+            m = plan.num_micro_batches(pipe)
+            nodes = [self.node(s.devices[0]) for s in pipe.stages]
+            fwd, bwd, opt, sends, parts = [], [], [], [], []
+            for j, stage in enumerate(pipe.stages):
+                node = nodes[j]
+                first, last = j == 0, j == p - 1
+                skey = (id(node), stage.tp, stage.layers, first, last, *tk)
+                fb = self._stage.get(skey)
+                if fb is None:
+                    key = StageKey(node.gpu, node.intra_node_bytes_per_s, stage.tp,
+                                   stage.layers, first, last, p == 1)  # fmt: skip
+                    f, b, rc, tpc, _, _ = stage_times(plan, model, key, node, params)
+                    split = part_split(plan, model, node.gpu, stage.tp, first, last, params)
+                    fb = self._stage[skey] = (f, b + rc + tpc, *split)
+                fwd.append(fb[0])
+                bwd.append(fb[1])
+                parts.append(fb[2:])
+                okey = (id(node.gpu), stage.tp, stage.layers, first, last, p == 1,
+                        plan.precision, shards)  # fmt: skip
+                o = self._opt.get(okey)
+                if o is None:
+                    p_local = stage_params(model, stage.layers, stage.tp, first, last, p == 1)
+                    pieces = [("layer", stage.layers), ("embed", int(first)), ("head", int(last))]
+                    o = self._opt[okey] = params.compute.optimizer_s(
+                        model, node.gpu, params.gpu(node.gpu.name), stage.tp, plan.precision,
+                        pieces, p_local, shards,
+                    )[0]  # fmt: skip
+                opt.append(o)
+                nxt = nodes[(j + 1) % p]
+                if p > 1:
+                    conc = max(talkers.get(node.name, 0), talkers.get(nxt.name, 0), stage.tp)
+                    sends.append(comm.p2p_s(act / stage.tp, node, nxt, params, conc))
+                else:
+                    sends.append(0.0)
+            fwd_c, bwd_c = [], []
+            for j in range(p):
+                w = p2p_wait_s(sends, j, v, params.gpu(nodes[j].gpu.name).p2p_exposed)
+                fc, bc = chunk_times(fwd[j], bwd[j], w, v, parts[j])  # type: ignore[arg-type]
+                fwd_c.append(fc)
+                bwd_c.append(bc)
+            if not exact:
+                out = max(out, closed_bound_s(m, fwd_c, bwd_c, sends, opt))
+                continue
+            pkey = (plan.schedule, m, tuple(map(tuple, fwd_c)), tuple(map(tuple, bwd_c)),
+                    tuple(sends), tuple(opt))  # fmt: skip
+            hit = self._pipe.get(pkey)
+            if hit is None:
+                hit = self._pipe[pkey] = pipeline_bound_s(
+                    plan.schedule, m, fwd_c, bwd_c, sends, opt
+                )
+            out = max(out, hit)
+        return out

@@ -1,0 +1,357 @@
+"""Scoring of the homogeneous search's candidates: each point's per-GPU memory peak and a
+proven lower bound of its ``estimate()`` time, from ``estimate``'s own building blocks
+(``stage_times``, ``grad_sync_times``, ``exposed_sync_s``, the optimizer step), with the
+caches (``SearchMemo``) that calls on clusters of one node type share."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+
+from hetplan.chunk_layout import lightened_chunks
+from hetplan.cluster import Cluster, Node
+from hetplan.cost.estimate import (
+    StageKey,
+    SyncLayout,
+    chunk_split,
+    grad_sync_times,
+    part_split,
+    stage_times,
+    sync_layout,
+)
+from hetplan.cost.memory import (
+    combine_activation_bytes,
+    edge_params,
+    held_chunks,
+    stage_params,
+    state_bytes,
+    zero3_working_bytes,
+)
+from hetplan.cost.params import CostParams, default_params
+from hetplan.cost.schedule import held_layers, peak_in_flight
+from hetplan.cost.sharding import bucket_count, exposed_sync_s
+from hetplan.errors import InputError
+from hetplan.model import ModelSpec
+from hetplan.plan import Plan, element_bytes
+from hetplan.search.homogeneous_candidates import (
+    Candidate,
+    SearchSpace,
+    enumerate_candidates,
+    lighten,
+    tiebreak,
+)
+from hetplan.search.layout import even_layer_split, uniform_plan
+
+
+@dataclass(frozen=True)
+class _Shape:
+    """Activation sizes of a candidate's stages (memory), independent of its DP degree."""
+
+    split: tuple[int, ...]
+    p_first: float
+    p_last: float
+    layer_act_bytes: float
+    """Activations one layer keeps per micro-batch."""
+    embed_act_bytes: float
+    head_act_bytes: float
+    working_act_bytes: float
+    """Full recomputation: one layer's activations rebuilt during its backward."""
+
+
+@dataclass
+class _Layout:
+    """The device layout of a (tp, pp, dp) triple: a plan with default knobs, the nodes of
+    one pipeline's stages and the data-parallel groups, for the bound."""
+
+    plan: Plan
+    nodes: list[Node]
+    sync: SyncLayout
+    holds: list[list[int]]
+    """Per stage of pipeline 0: the indices of the sync groups (layer segments) it holds."""
+    sync_s: dict[int, list[float]] = field(default_factory=dict)
+    """Per ZeRO stage: per stage of pipeline 0, the gradient reduction no overlap hides."""
+
+
+class SearchMemo:
+    """Caches of shapes, layouts and stage times, valid for one model, one node type (GPU,
+    GPUs per node, links) and one set of parameters; reusable across node counts."""
+
+    def __init__(self) -> None:
+        self.shapes: dict[tuple[object, ...], _Shape] = {}
+        self.stages: dict[tuple[object, ...], tuple[float, float, float, float, float]] = {}
+        self.optimizer: dict[tuple[object, ...], float] = {}
+
+
+@dataclass
+class Scorer:
+    """Memory and a proven lower bound of estimate()'s iteration time for candidates on one
+    cluster, from estimate()'s own building blocks (stage times, gradient sync, optimizer)."""
+
+    model: ModelSpec
+    cluster: Cluster
+    precision: str
+    global_batch: int
+    params: CostParams
+    flash: bool
+    memo: SearchMemo
+    space: SearchSpace
+    layouts: dict[tuple[int, int, int], _Layout] = field(default_factory=dict)
+
+    def shape(self, c: Candidate) -> _Shape:
+        """Returns the candidate's activation sizes (they do not depend on its DP degree)."""
+        model, precision, flash, memo = self.model, self.precision, self.flash, self.memo
+        key = (c.tp, c.pp, c.micro_batch, c.recompute, c.sequence_parallel, precision, flash)
+        hit = memo.shapes.get(key)
+        if hit is not None:
+            return hit
+        mb = c.micro_batch
+        split = tuple(even_layer_split(model.layers, c.pp))
+        single = c.pp == 1
+        e = element_bytes(precision)
+        shape = _Shape(
+            split=split,
+            p_first=stage_params(model, split[0], c.tp, True, single, single),
+            p_last=stage_params(model, split[-1], c.tp, single, True, single),
+            layer_act_bytes=mb
+            * model.layer_activation_bytes(c.tp, c.sequence_parallel, c.recompute, flash, e),
+            embed_act_bytes=mb * model.embedding_activation_bytes(c.tp, c.sequence_parallel, e),
+            head_act_bytes=mb * model.head_activation_bytes(c.tp, e),
+            working_act_bytes=(
+                mb * model.layer_activation_bytes(c.tp, c.sequence_parallel, "none", flash, e)
+                if c.recompute == "full"
+                else 0.0
+            ),
+        )
+        memo.shapes[key] = shape
+        return shape
+
+    def peak_bytes(self, c: Candidate) -> float:
+        """Returns the larger peak of the first and last stage of a candidate."""
+        model, precision, global_batch, params = (
+            self.model,
+            self.precision,
+            self.global_batch,
+            self.params,
+        )
+        m = global_batch // c.dp // c.micro_batch
+        shape = self.shape(c)
+        worst = 0.0
+        for j in {0, c.pp - 1}:
+            first, last = j == 0, j == c.pp - 1
+            p_local = shape.p_first if first else shape.p_last
+            edge = edge_params(model, c.tp, first, last, c.pp == 1)
+            w, g, o = state_bytes(p_local, precision, c.zero_stage, c.dp, whole_local=edge)
+            if c.zero_stage == 3:
+                w += zero3_working_bytes(model, c.tp, precision)
+            units = peak_in_flight(c.schedule, c.pp, m, c.virtual_stages, j)
+            light = lightened_chunks(shape.split, c.virtual_stages)[j] if c.lightened else None
+            chunks = held_chunks(shape.split[j], c.virtual_stages, first, light)
+            held = held_layers(c.schedule, c.pp, m, j, chunks) if chunks else None
+            acts = combine_activation_bytes(
+                shape.split[j], shape.layer_act_bytes, shape.embed_act_bytes,
+                shape.head_act_bytes, shape.working_act_bytes, first, last, units,
+                c.virtual_stages, held,
+            )  # fmt: skip
+            worst = max(worst, w + g + o + acts + params.memory_reserve_bytes)
+        return worst
+
+    def layout(self, c: Candidate) -> _Layout:
+        """Returns the layout of the candidate's degrees (built once per triple)."""
+        key = (c.tp, c.pp, c.dp)
+        hit = self.layouts.get(key)
+        if hit is None:
+            plan = uniform_plan(self.cluster, self.model.layers, c.tp, c.pp, c.dp, 1,
+                                self.global_batch)  # fmt: skip
+            node_of = self.cluster.device_node
+            sync = sync_layout(plan, self.model, node_of)
+            holds: list[list[int]] = [[] for _ in range(c.pp)]
+            for g, (_, holders) in enumerate(sync.groups):
+                for r, j in holders:
+                    if r == 0:
+                        holds[j].append(g)
+            nodes = [node_of(st.devices[0]) for st in plan.pipelines[0].stages]
+            hit = self.layouts[key] = _Layout(plan, nodes, sync, holds)
+        return hit
+
+    def knob_plan(self, c: Candidate) -> Plan:
+        """Returns the candidate's plan (its layout with its knobs)."""
+        sp = self.space
+        base = self.layout(c).plan
+        if c.lightened:
+            base = lighten(base, c.virtual_stages)
+        return replace(
+            base,
+            micro_batch_size=c.micro_batch,
+            precision=self.precision,
+            recompute=c.recompute,
+            zero_stage=c.zero_stage,
+            schedule=c.schedule,
+            virtual_stages=c.virtual_stages,
+            sequence_parallel=c.sequence_parallel,
+            flash_attention=self.flash,
+            overlap_grad_reduce=sp.overlap_grad_reduce,
+            overlap_tp_comm=sp.overlap_tp_comm,
+        )
+
+    def _exposed(self, lay: _Layout, plan: Plan) -> list[float]:
+        """Returns, per stage of pipeline 0, the least gradient reduction no overlap hides
+        (an unbounded overlap window) under the plan's ZeRO stage."""
+        sync_s = grad_sync_times(lay.sync, plan, self.params)
+        out = []
+        for j, node in enumerate(lay.nodes):
+            share = self.params.gpu(node.gpu.name).grad_overlap
+            exposed = 0.0
+            for g in lay.holds[j]:
+                n_params, holders = lay.sync.groups[g]
+                tp_min = min(lay.plan.pipelines[r].stages[i].tp for r, i in holders)
+                buckets = bucket_count(n_params / tp_min, len(holders))
+                exposed += exposed_sync_s(sync_s[g], math.inf, share,
+                                          self.space.overlap_grad_reduce, buckets)  # fmt: skip
+            out.append(exposed)
+        return out
+
+    def bound_s(self, c: Candidate) -> float:
+        """Returns a lower bound of estimate()'s iteration time of the candidate's plan.
+
+        Per stage j, with per-micro-batch forward F, backward-side B (backward, recompute,
+        TP collectives) from ``stage_times``: its first forward waits for the first chunk of
+        every earlier stage (sum F/v), it then computes m (F + B), and after its last
+        backward the earlier stages still run one backward chunk each (sum B/v) before
+        stage 0 ends; a stage ends with the part of its gradient reduction no overlap can
+        hide, then its optimizer step. Transfers and waits only add (left out)."""
+        model, params, memo = self.model, self.params, self.memo
+        lay = self.layout(c)
+        plan = self.knob_plan(c)
+        v = c.virtual_stages
+        m = self.global_batch // c.dp // c.micro_batch
+        p = c.pp
+        shards = c.dp if c.zero_stage >= 1 else 1
+        exposed_by_stage = lay.sync_s.get(c.zero_stage)
+        if exposed_by_stage is None:
+            exposed_by_stage = lay.sync_s[c.zero_stage] = self._exposed(lay, plan)
+        starts, tails, busy, ends = 0.0, 0.0, [], []
+        f_acc = b_acc = 0.0
+        for j, node in enumerate(lay.nodes):
+            layers = lay.plan.pipelines[0].stages[j].layers
+            first, last = j == 0, j == p - 1
+            skey = (node.gpu.name, node.intra_node_bytes_per_s, c.tp, layers, first, last,
+                    c.micro_batch, c.recompute, v, self.precision, self.flash,
+                    self.space.overlap_tp_comm, c.sequence_parallel)  # fmt: skip
+            times = memo.stages.get(skey)
+            if times is None:
+                key = StageKey(node.gpu, node.intra_node_bytes_per_s, c.tp, layers, first, last,
+                               p == 1)  # fmt: skip
+                times = memo.stages[skey] = stage_times(plan, model, key, node, params)[:5]
+            fwd, bwd, rc, tpc, _ = times
+            if c.lightened:  # the fill and drain run its quickest chunk (with its part)
+                f_first, b_first = self._quickest_chunk(c, plan, j, node, layers, skey, times)
+            else:
+                f_first, b_first = fwd / v, (bwd + rc + tpc) / v
+            p_local = stage_params(model, layers, c.tp, first, last, p == 1)
+            okey = (node.gpu.name, c.tp, layers, first, last, self.precision, shards)
+            opt = memo.optimizer.get(okey)
+            if opt is None:
+                pieces = [("layer", layers), ("embed", int(first)), ("head", int(last))]
+                opt = memo.optimizer[okey] = params.compute.optimizer_s(
+                    model, node.gpu, params.gpu(node.gpu.name), c.tp, self.precision, pieces,
+                    p_local, shards,
+                )[0]  # fmt: skip
+            exposed = exposed_by_stage[j]
+            own = f_acc + m * (fwd + bwd + rc + tpc)
+            busy.append(own + exposed + opt)
+            ends.append(own + b_acc)
+            f_acc += f_first
+            b_acc += b_first
+            if first:
+                starts, tails = exposed, opt  # stage 0's reduction and optimizer
+        bound = max(max(busy), max(ends) + starts + tails)
+        return bound * (1.0 - 1e-9)
+
+    def _quickest_chunk(
+        self,
+        c: Candidate,
+        plan: Plan,
+        j: int,
+        node: Node,
+        layers: int,
+        skey: tuple[object, ...],
+        times: tuple[float, float, float, float, float],
+    ) -> tuple[float, float]:
+        """Returns the least forward and backward-side time of any chunk of stage ``j`` of a
+        lightened candidate, as estimate() splits them (without transfers)."""
+        memo, p, v = self.memo, c.pp, c.virtual_stages
+        first, last = j == 0, j == p - 1
+        ekey = (*skey[:3], 0, *skey[4:])
+        empty = memo.stages.get(ekey)
+        if empty is None:
+            key = StageKey(node.gpu, node.intra_node_bytes_per_s, c.tp, 0, first, last, p == 1)
+            empty = memo.stages[ekey] = stage_times(plan, self.model, key, node, self.params)[:5]
+        pkey = ("parts", *skey)
+        parts = memo.stages.get(pkey)
+        if parts is None:
+            parts = memo.stages[pkey] = (
+                *part_split(plan, self.model, node.gpu, c.tp, first, last, self.params),
+                0.0,
+            )
+        ef, eb, hf, hb, _ = parts
+        fwd, bwd, rc, tpc, _ = times
+        chunks = lightened_chunks(self.shape(c).split, v)[j]
+        fs = chunk_split(fwd - ef - hf, empty[0] - ef - hf, layers, chunks)
+        bs = chunk_split(bwd + rc + tpc - eb - hb, sum(empty[1:4]) - eb - hb, layers, chunks)
+        ends = [(ef if k == 0 else 0.0) + (hf if k == v - 1 else 0.0) for k in range(v)]
+        endb = [(eb if k == 0 else 0.0) + (hb if k == v - 1 else 0.0) for k in range(v)]
+        return (
+            min(f + e for f, e in zip(fs, ends, strict=True)),
+            min(b + e for b, e in zip(bs, endb, strict=True)),
+        )
+
+
+@dataclass
+class Scored:
+    """Candidates that fit, with lower bounds of their iteration time, smallest first; and
+    what was pruned by memory."""
+
+    ranked: list[tuple[float, Candidate]]
+    candidates: int
+    fitting: int
+    min_memory_bytes: float
+
+
+def score_candidates(
+    model: ModelSpec,
+    cluster: Cluster,
+    global_batch: int,
+    precision: str,
+    params: CostParams | None = None,
+    space: SearchSpace | None = None,
+    flash_attention: bool = True,
+    memo: SearchMemo | None = None,
+    scorer: Scorer | None = None,
+) -> Scored:
+    """Returns every fitting candidate with a lower bound of its estimate() time, smallest
+    first (no estimate). ``memo`` may be shared by calls on clusters of the same node type."""
+    params = params or default_params()
+    space = space or SearchSpace()
+    gpus_per_node = {n.gpus for n in cluster.nodes}
+    if len({n.gpu.name for n in cluster.nodes}) != 1 or len(gpus_per_node) != 1:
+        raise InputError("--cluster", "the homogeneous search needs one GPU type and node size")
+    gpu = cluster.nodes[0].gpu
+    if not gpu.supports(precision):
+        raise InputError("--precision", f"{gpu.name} has no {precision} support")
+    n = cluster.num_gpus
+    gpn = gpus_per_node.pop()
+    scored: list[tuple[float, tuple[object, ...], Candidate]] = []
+    count = 0
+    min_mem = math.inf
+    if scorer is None:
+        scorer = Scorer(model, cluster, precision, global_batch, params, flash_attention,
+                         memo or SearchMemo(), space)  # fmt: skip
+    for c in enumerate_candidates(model, n, gpn, global_batch, space):
+        count += 1
+        peak = scorer.peak_bytes(c)
+        if peak > gpu.memory_bytes:
+            min_mem = min(min_mem, peak)
+            continue
+        scored.append((scorer.bound_s(c), tiebreak(c), c))
+    scored.sort(key=lambda x: (x[0], x[1]))
+    return Scored([(t, c) for t, _, c in scored], count, len(scored), min_mem)

@@ -1,0 +1,218 @@
+"""A proven floor of the iteration time from the global batch: whole micro-batches, whole
+layers, whole GPUs.
+
+The throughput floor (``provision_bounds``) lets every GPU run a fraction of a micro-batch;
+a plan cannot. With micro-batch size b the global batch is M = global / b micro-batches;
+each pipeline r of a plan runs m_r >= 1 of them (the m_r sum to M) on its g_r GPUs (the
+g_r sum to at most the configuration's N), in p stages of per-micro-batch times s_j
+(``estimate.stage_times``: l_j layers at the stage's TP degree t_j, at least l_j x layer(t_j)
+with layer(t) the fastest forward + backward of one layer at TP t on the configuration's
+types, plus each stage's fixed cost per micro-batch, at least ``TypeFloor.fixed_s``). If the
+iteration takes T:
+
+* **busy**: each stage computes m_r micro-batches, so every s_j <= T / m_r, and a stage at
+  TP t holds at most cap(t) = min(L, floor((T / m_r - fixed) / layer(t))) layers;
+* **path**: the first micro-batch runs forward through every stage and back, so
+  T >= sum_j s_j >= sum_j l_j layer(t_j) + p x fixed + the fastest embedding and head;
+* the stages hold all L layers. With x_t the layers at TP t, the pipeline has
+  g_r = sum_j t_j >= sum_t x_t t / cap(t) GPUs and p >= sum_t x_t / cap(t) stages, so its
+  path is at least sum_t x_t (layer(t) + fixed / cap(t)) plus the embedding and head: the
+  least GPUs under that path budget is a linear program in x (at most two TP degrees in its
+  optimum, solved in closed form), and g_r, a whole number, at least its ceiling;
+* **embedding and head**: the first stage also runs the embedding, the last the head, so
+  its layers fit in cap(t) less floor(embedding(t) / layer(t)) (head likewise): the stages
+  hold L + e + h whole layers' worth, e and h the least such counts over the degrees (the
+  path keeps the rest of the embedding's and the head's time).
+
+So a pipeline of m micro-batches needs at least G(T, m) GPUs, and some pipeline has
+g_r / m_r <= N / M: T is feasible only if M x min_m G(T, m) / m <= N. That holds for
+larger T once it holds (every cap grows, every budget loosens); the floor is the largest T
+of a geometric grid (steps of ``STEP``) where it fails, below the first where it holds. Where
+N < M single GPUs each run whole micro-batches (one GPU cannot run 1.5 of them in 1.5
+micro-batch times), and a pipeline's GPUs beyond what its stages' caps need add nothing:
+what the throughput floor misses for configurations with more GPUs than the batch can feed.
+
+The floor is the least over the micro-batch sizes (divisors of the global batch); it reads
+the same ``TypeFloor`` tables (``params.compute``) as the other floors.
+"""
+
+from __future__ import annotations
+
+import itertools
+from functools import lru_cache
+
+import numpy as np
+
+from hetplan.model import ModelSpec
+from hetplan.search.provision_bounds import TypeFloor, path_floor_s
+
+STEP = 1.01
+"""Ratio of consecutive iteration times of the grid (the floor gives up at most 1%)."""
+_SLACK = 1e-9
+"""Relative tolerance that always errs towards a lower floor (float rounding)."""
+
+
+def _layer_times(floors: tuple[TypeFloor, ...], i: int) -> dict[int, float]:
+    """Returns, per TP degree some type allows, the fastest layer time at size index i."""
+    out: dict[int, float] = {}
+    for f in floors:
+        for t, x in zip(f.tps, f.layer_tp[i], strict=True):
+            out[t] = min(out.get(t, np.inf), x)
+    return out
+
+
+def least_gpus(
+    layers: float,
+    tps: np.ndarray,
+    times: np.ndarray,
+    fixed: float,
+    stage_s: np.ndarray,
+    path_s: np.ndarray,
+    most: float | None = None,
+) -> np.ndarray:
+    """Returns the least GPUs (real: the linear program's optimum) of a pipeline holding
+    ``layers`` layers in stages of at most ``stage_s`` seconds per micro-batch each (each
+    stage ``fixed`` seconds plus its layers), with at most ``path_s`` seconds on the path
+    for the layers and the stages' fixed costs (at least one stage per ``cap`` layers);
+    arrays of one shape. TP degree ``tps[k]`` runs one layer in ``times[k]``; a stage holds
+    at most ``most`` layers (default ``layers``); inf where no stage fits."""
+    slot = (stage_s[..., None] - fixed) / times * (1 + _SLACK) + _SLACK
+    caps = np.clip(np.floor(slot), 0, layers if most is None else most)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        a = np.where(caps > 0, tps / caps, np.inf)  # GPUs per layer at each degree
+        b = np.where(caps > 0, times + fixed / caps, np.inf)  # path per layer
+        budget = path_s[..., None] * (1 + _SLACK)
+        best = np.where(layers * b <= budget, layers * a, np.inf).min(axis=-1)
+        for k1, k2 in itertools.combinations(range(len(tps)), 2):
+            a1, a2, b1, b2 = a[..., k1], a[..., k2], b[..., k1], b[..., k2]
+            fast = b1 < b2  # x layers at the faster-path degree, the rest at the other
+            af, as_, bf, bs = (np.where(fast, a1, a2), np.where(fast, a2, a1),
+                               np.where(fast, b1, b2), np.where(fast, b2, b1))  # fmt: skip
+            x = (layers * bs - budget[..., 0]) / (bs - bf)
+            ok = np.isfinite(af) & np.isfinite(as_) & (bf < bs) & (x >= 0) & (x <= layers)
+            g = np.where(ok, x * af + (layers - x) * as_, np.inf)
+            best = np.minimum(best, g)
+    return best
+
+
+def _ranges(top: int, exact: int, ratio: float) -> list[tuple[int, int]]:
+    """Returns [lo, hi] ranges covering 1..top: one by one up to ``exact``, then growing."""
+    out, lo = [], 1
+    while lo <= top:
+        hi = lo if lo <= exact else min(top, max(lo, int(lo * ratio)))
+        out.append((lo, hi))
+        lo = hi + 1
+    return out
+
+
+def _table(
+    model: ModelSpec,
+    global_batch: int,
+    floors: tuple[TypeFloor, ...],
+    i: int,
+    stages: int,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Returns (the grid of iteration times T, the least GPUs per micro-batch any plan
+    needs to finish in T, non-increasing) at micro-batch size index i."""
+    lt = _layer_times(floors, i)
+    tps = tuple(sorted(lt))
+    # the embedding and the head in whole layers of their stage's degree (module docstring)
+    parts = []
+    for attr in ("embed_tp", "head_tp"):
+        at: dict[int, float] = {}
+        for f in floors:
+            for t, x in zip(f.tps, getattr(f, attr)[i], strict=True):
+                at[t] = min(at.get(t, np.inf), x)
+        whole = min(int(np.floor(at[t] / lt[t] * (1 - _SLACK))) for t in tps)
+        least = min(at.values())
+        parts.append((whole, least - whole * max(lt.values())))
+    (de, ce), (dh, ch) = parts
+    return _grid_table(
+        model.layers,
+        de + dh,
+        global_batch // floors[0].micro_batches[i],
+        tps,
+        tuple(lt[t] for t in tps),
+        min(max(f.fixed_s, 0.0) for f in floors),
+        min(f.embed_s[i] for f in floors) + min(f.head_s[i] for f in floors),
+        ce + ch,
+        path_floor_s(model, list(floors), i, 1),
+        stages,
+    )
+
+
+@lru_cache(maxsize=4096)
+def _grid_table(
+    layers: int,
+    extra: int,
+    m_total: int,
+    tps_: tuple[int, ...],
+    times_: tuple[float, ...],
+    fixed: float,
+    ends: float,
+    cut: float,
+    lo: float,
+    stages: int,
+) -> tuple[np.ndarray, np.ndarray]:
+    """``_table`` from what it depends on (types with the same fastest times share it):
+    every pipeline has at least ``stages`` GPUs, one per stage."""
+    grid, gpus, m_hi = _gpu_table(layers, extra, m_total, tps_, times_, fixed, ends, cut, lo)
+    kappa = (np.maximum(gpus, stages) / m_hi).min(axis=1)
+    return grid, np.minimum.accumulate(kappa)
+
+
+@lru_cache(maxsize=1024)
+def _gpu_table(
+    layers: int,
+    extra: int,
+    m_total: int,
+    tps_: tuple[int, ...],
+    times_: tuple[float, ...],
+    fixed: float,
+    ends: float,
+    cut: float,
+    lo: float,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Returns the grid of iteration times from ``lo``, the least whole GPUs of a pipeline
+    finishing m_lo micro-batches in each (grid x ranges), and each range's m_hi: its
+    ``layers`` and ``extra`` whole layers' worth of embedding and head, with ``cut`` seconds
+    of the path besides (``_table``)."""
+    tps, times = np.array(tps_, dtype=float), np.array(times_)
+    hi = m_total * (layers * times.max() + fixed + ends) * STEP
+    grid = lo * STEP ** np.arange(int(np.ceil(np.log(hi / lo) / np.log(STEP))) + 1)
+    # pipelines of m micro-batches in ranges [m_lo, m_hi] (one by one up to EXACT_M): no
+    # fewer GPUs than at m_lo (a longer stage budget never needs more), 1/m >= 1/m_hi
+    m_lo, m_hi = (np.array(x, dtype=float) for x in zip(*_ranges(m_total, EXACT_M, RATIO),
+                                                         strict=True))  # fmt: skip
+    t = grid[:, None]
+    path = np.broadcast_to(t - cut, (grid.size, m_lo.size))
+    g = least_gpus(layers + extra, tps, times, fixed, t / m_lo, path)
+    return grid, np.ceil(g * (1 - _SLACK)), m_hi
+
+
+EXACT_M = 32
+"""Micro-batches per pipeline taken one by one; past this, in ranges growing by ``RATIO``."""
+RATIO = 1.05
+
+
+def batch_floor_s(
+    model: ModelSpec,
+    global_batch: int,
+    floors: list[TypeFloor],
+    gpus: np.ndarray,
+    stages: int = 1,
+) -> np.ndarray:
+    """Returns the floor of the iteration time (module docstring) of every plan on ``gpus``
+    GPUs in all (a numpy array of counts) of the types ``floors``, whose every pipeline has
+    at least ``stages`` stages; inf where there is no GPU."""
+    total = np.asarray(gpus, dtype=float)
+    best = np.full(total.shape, np.inf)
+    key = tuple(floors)
+    for i, size in enumerate(floors[0].micro_batches):
+        grid, kappa = _table(model, global_batch, key, i, stages)
+        need = kappa * (global_batch // size)  # GPUs a plan finishing in grid[k] needs
+        # the first grid time whose need the count meets; the floor is the one before it
+        first = np.searchsorted(-need, -total * (1 + _SLACK), side="left")
+        at = np.where(first > 0, grid[np.clip(first - 1, 0, grid.size - 1)], grid[0])
+        best = np.minimum(best, np.where(total > 0, at, np.inf))
+    return best
