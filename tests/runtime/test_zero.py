@@ -136,3 +136,15 @@ def test_sharded_state_resumes_under_another_plan(
     ref, losses = _reference(inputs, 3)
     assert max_relative_error(checkpoint_params(work), ref) <= 1e-5
     assert record["steps"][0]["loss"] == pytest.approx(losses[2], rel=1e-5)
+
+
+def test_square_sum_reads_once_in_float64():
+    """The clipping norm's sum of squares: 3^2 + 4^2 = 25 from fp32, and float64 keeps what
+    fp32 accumulation would round away (1e7^2 + 1: fp32 spacing there is 8,388,608)."""
+    import torch
+
+    from hetplan.runtime.grad_sync import square_sum
+
+    assert float(square_sum(torch.tensor([3.0, 4.0]))) == 25.0
+    got = square_sum(torch.tensor([1e7, 1.0], dtype=torch.float32))
+    assert got.dtype == torch.float64 and float(got) == 1e14 + 1

@@ -167,9 +167,11 @@ def head_times(
 def optimizer_time_s(
     params_local: float, gpu: GPUType, eff: GPUEfficiency, precision: str
 ) -> float:
-    """Returns the Adam step time for ``params_local`` parameters (memory-bound)."""
-    # read fp32 grad, master, m, v; write master, m, v and the low-precision copy (none when
-    # the weights are stored in fp32: fp32 and tf32)
+    """Returns the optimizer step time for ``params_local`` parameters (memory-bound): the
+    gradient-norm pass of clipping (Megatron's ``clip_grad_norm_fp32``, the runtime's
+    ``grad_sync.square_sum``), then Adam."""
+    # the norm reads the fp32 grad; Adam reads fp32 grad, master, m, v and writes master, m,
+    # v and the low-precision copy (none when the weights are stored in fp32: fp32 and tf32)
     e = element_bytes(precision)
-    traffic = params_local * (4 * 4 + 4 * 3 + (0 if e == 4 else e))
+    traffic = params_local * (4 + 4 * 4 + 4 * 3 + (0 if e == 4 else e))
     return traffic / elementwise_bytes_per_s(gpu, eff)

@@ -16,6 +16,13 @@ from hetplan.runtime.layout import EMBED_TOK, SyncGroup
 from hetplan.runtime.model_torch import TIED_EMBED, canonical_name, shard, shard_dim, unit_of
 
 
+def square_sum(t: torch.Tensor) -> torch.Tensor:
+    """Returns the sum of squares of ``t`` in float64 with one read of ``t`` (the reduction
+    upcasts as it reads; ``t.double().pow(2)`` would write and read two float64 copies):
+    the gradient-norm pass every step pays, and ``profile`` times with the optimizer."""
+    return torch.linalg.vector_norm(t, dtype=torch.float64).square()
+
+
 class LocalParam:
     """A parameter this rank holds, with its full name and TP split."""
 

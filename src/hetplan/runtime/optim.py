@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from hetplan.runtime.fsdp import is_sharded
-from hetplan.runtime.grad_sync import LocalParam, sync_grads
+from hetplan.runtime.grad_sync import LocalParam, square_sum, sync_grads
 from hetplan.runtime.layout import RankPlace, RuntimeLayout, SyncGroup
 from hetplan.runtime.optim_config import OptimConfig, adamw_kwargs, clip_coefficient, lr_at
 from hetplan.runtime.precision import LossScaler
@@ -174,7 +174,7 @@ class PlanOptimizer:
         for lp in self.params:
             g = lp.param.grad
             if g is not None and self._counted(lp):
-                total += _local(g).double().pow(2).sum()
+                total += square_sum(_local(g))
         for b in self.buckets:
             total += b.square_sum(self.place.tp_index)
         dist.all_reduce(total)

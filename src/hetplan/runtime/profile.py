@@ -16,6 +16,7 @@ from torch.nn import functional as F
 from hetplan.cost.compute import LayerTimes
 from hetplan.measured.profile_db import LayerRecord, ProfileDB, shape_key
 from hetplan.model import ModelSpec
+from hetplan.runtime.grad_sync import square_sum
 from hetplan.runtime.model_torch import Block, Embed, Head
 from hetplan.runtime.optim_config import OptimConfig
 from hetplan.runtime.state import make_optimizer
@@ -149,8 +150,9 @@ def profile_parts(
 def profile_optimizer(
     model: ModelSpec, tp: int, device: torch.device, reps: int = 5
 ) -> dict[str, tuple[float, int]]:
-    """Returns {part: (AdamW step seconds, parameters)} for a layer shard, embedding, head
-    (a layer's: over a chain of layers, as profile_layer, per layer)."""
+    """Returns {part: (optimizer step seconds, parameters)} for a layer shard, embedding,
+    head (a layer's: over a chain of layers, as profile_layer, per layer). The step is what
+    the runtime's is: the gradients' share of the global norm (for clipping), then AdamW."""
     out = {}
     chain = _chain(model, tp)
     parts: dict[str, tuple[torch.nn.Module, int]] = {
@@ -163,7 +165,13 @@ def profile_optimizer(
         for p in params:
             p.grad = torch.randn_like(p) * 1e-3
         opt = make_optimizer(params, OptimConfig(lr=1e-3))
-        step_s = _median_s(opt.step, device, reps) / n
+
+        def step(opt: torch.optim.Optimizer = opt, params: list[Any] = params) -> None:
+            for p in params:
+                square_sum(p.grad)
+            opt.step()
+
+        step_s = _median_s(step, device, reps) / n
         out[part] = (step_s, sum(p.numel() for p in params) // n)
     return out
 

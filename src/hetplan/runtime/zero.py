@@ -37,7 +37,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hetplan.runtime.grad_sync import LocalParam
+from hetplan.runtime.grad_sync import LocalParam, square_sum
 from hetplan.runtime.layout import RuntimeLayout, SyncGroup
 from hetplan.runtime.optim_config import OptimConfig, adamw_kwargs
 
@@ -291,7 +291,7 @@ class ZeroBucket:
         for pc in self.mine:
             if self.params[pc.index].dim is None and tp_index != 0:
                 continue
-            total += self.shard_grad[pc.at : pc.at + pc.hi - pc.lo].double().pow(2).sum()
+            total += square_sum(self.shard_grad[pc.at : pc.at + pc.hi - pc.lo])
         return total
 
     # ---- the update -----------------------------------------------------------------
