@@ -335,7 +335,8 @@ def test_fit_keeps_nvlink_terms_within_what_the_links_measure():
                         est.iteration_time_s, plan))  # fmt: skip
     got = fit(runs)
     eff = got.gpu("H100-80GB")
-    assert eff.link_efficiency == pytest.approx(0.75, abs=1e-6)  # pulled to the slow end
+    # pulled to the slow end (the rows say 0.3); the optimizer stops within 1e-4 of the bound
+    assert eff.link_efficiency == pytest.approx(0.75, abs=1e-4)
     assert 1e-6 <= eff.intra_latency_s <= 2e-5
     report = got.fit_report["terms"]["H100-80GB"]
     assert report["link_efficiency"]["at_bound"] == "lower"
