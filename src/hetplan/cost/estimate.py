@@ -11,12 +11,10 @@ from hetplan.cluster import Cluster, Node
 from hetplan.cost import comm
 from hetplan.cost.memory import (
     MemoryBreakdown,
-    edge_params,
     held_chunks,
     stage_activation_bytes,
     stage_params,
-    state_bytes,
-    zero3_working_bytes,
+    stage_state,
 )
 from hetplan.cost.money import MoneyParts, node_parts
 from hetplan.cost.params import CostParams, default_params
@@ -703,10 +701,8 @@ def estimate(
             else:
                 send = 0.0
             # deferred: ZeRO-2/3 with pipelining as PyTorch runs them (cost.sharding)
-            edge = edge_params(model, stage.tp, first, last, p == 1)
-            w, g, o = state_bytes(p_local, plan.precision, plan.zero_stage, dp, deferred, edge)
-            if plan.zero_stage == 3 and dp > 1 and not deferred:
-                w += zero3_working_bytes(model, stage.tp, plan.precision)
+            w, g, o = stage_state(model, stage.layers, stage.tp, first, last, p == 1,
+                                  plan.precision, plan.zero_stage, dp, deferred)  # fmt: skip
             units = peak_in_flight(plan.schedule, p, m, v, j)
             uneven = uneven_chunks(stage, v)
             akey = (stage.tp, stage.layers, first, last, units, uneven, m)

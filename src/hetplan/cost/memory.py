@@ -100,6 +100,30 @@ def state_bytes(
     return weights * params_local, grads * params_local, opt * params_local
 
 
+def stage_state(
+    model: ModelSpec,
+    layers: int,
+    tp: int,
+    first: bool,
+    last: bool,
+    single_stage: bool,
+    precision: str,
+    zero_stage: int,
+    dp: int,
+    deferred: bool = False,
+) -> tuple[float, float, float]:
+    """Returns (weights, grads, optimizer) bytes of one device of a stage holding ``layers``
+    (``state_bytes`` of its parameters, ZeRO-3's embedding and head whole, and ZeRO-3's
+    gathered working layers where it shards per layer; ``deferred``: pipelined ZeRO-2/3,
+    ``sharding.deferred_sync``): what ``estimate`` and every search count."""
+    p_local = stage_params(model, layers, tp, first, last, single_stage)
+    edge = edge_params(model, tp, first, last, single_stage)
+    w, g, o = state_bytes(p_local, precision, zero_stage, dp, deferred, edge)
+    if zero_stage == 3 and dp > 1 and not deferred:
+        w += zero3_working_bytes(model, tp, precision)
+    return w, g, o
+
+
 def stage_activation_bytes(
     model: ModelSpec,
     layers: int,

@@ -14,13 +14,12 @@ from __future__ import annotations
 from hetplan.cluster import Cluster, Node
 from hetplan.cost import comm
 from hetplan.cost.estimate import StageKey, p2p_wait_s, part_split, pipeline_talkers, stage_times
-from hetplan.cost.memory import held_chunks, stage_activation_bytes, stage_params
+from hetplan.cost.memory import held_chunks, stage_activation_bytes, stage_params, stage_state
 from hetplan.cost.params import CostParams
 from hetplan.cost.schedule import EXACT_ACTION_LIMIT, held_layers, peak_in_flight, replay
 from hetplan.cost.sharding import deferred_sync
 from hetplan.model import ModelSpec
 from hetplan.plan import Plan, element_bytes
-from hetplan.search.het_tables import stage_state_bytes
 
 
 def chunk_times(
@@ -139,10 +138,10 @@ class PlanBounds:
             for j, stage in enumerate(pipe.stages):
                 node = self.node(stage.devices[0])
                 first, last = j == 0, j == p - 1
-                state = stage_state_bytes(
+                state = sum(stage_state(
                     model, stage.layers, stage.tp, first, last, p == 1, plan.precision,
                     plan.zero_stage, dp, deferred,
-                )  # fmt: skip
+                ))  # fmt: skip
                 units = peak_in_flight(plan.schedule, p, m, plan.virtual_stages, j)
                 even = held_chunks(stage.layers, plan.virtual_stages, first)
                 acts = stage_activation_bytes(

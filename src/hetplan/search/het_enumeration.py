@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from hetplan.cost.estimate import p2p_wait_s
+from hetplan.cost.memory import stage_state
 from hetplan.cost.schedule import peak_in_flight
 from hetplan.plan import RECOMPUTE, Pipeline, Plan, Stage
 from hetplan.search.het_bounds import chunk_times, closed_bound_s, pipeline_bound_s
@@ -26,7 +27,7 @@ from hetplan.search.het_space import (
     tp_options,
     zero_choices,
 )
-from hetplan.search.het_tables import Knobs, stage_state_bytes
+from hetplan.search.het_tables import Knobs
 from hetplan.search.het_variants import count_pipelines, layer_splits, pipeline_shapes, placements
 
 ENUMERATION_BUDGET = 5_000_000
@@ -225,8 +226,8 @@ class Enumeration:
                     if least is None:
                         t = self.tables[c]
                         least = floors[fkey] = min(
-                            stage_state_bytes(s.model, x, t.tp, first, last, p == 1,
-                                              k.precision, z, self.most if z else 1)
+                            sum(stage_state(s.model, x, t.tp, first, last, p == 1,
+                                            k.precision, z, self.most if z else 1))
                             for z in zs
                         )  # fmt: skip
                     floor.append(least)
@@ -380,16 +381,18 @@ class Enumeration:
         pipe = self.pipes[i]
         p = len(pipe.classes)
         return [
-            stage_state_bytes(
-                self.s.model,
-                x,
-                self.tables[c].tp,
-                j == 0,
-                j == p - 1,
-                p == 1,
-                self.knobs.precision,
-                z,
-                d,
+            sum(
+                stage_state(
+                    self.s.model,
+                    x,
+                    self.tables[c].tp,
+                    j == 0,
+                    j == p - 1,
+                    p == 1,
+                    self.knobs.precision,
+                    z,
+                    d,
+                )
             )
             for j, (c, x) in enumerate(zip(pipe.classes, pipe.layers, strict=True))
         ]

@@ -20,11 +20,9 @@ from hetplan.cluster import Node
 from hetplan.cost import comm
 from hetplan.cost.estimate import StageKey, part_split, stage_times
 from hetplan.cost.memory import (
-    edge_params,
     stage_activation_bytes,
     stage_params,
-    state_bytes,
-    zero3_working_bytes,
+    stage_state,
 )
 from hetplan.cost.params import CostParams
 from hetplan.cost.schedule import peak_in_flight
@@ -73,29 +71,6 @@ class Knobs:
             flash_attention=self.flash_attention,
             overlap_tp_comm=self.overlap_tp_comm,
         )
-
-
-def stage_state_bytes(
-    model: ModelSpec,
-    layers: int,
-    tp: int,
-    first: bool,
-    last: bool,
-    single: bool,
-    precision: str,
-    zero: int,
-    dp: int,
-    deferred: bool = False,
-) -> float:
-    """Returns weights, gradients and optimizer state of one stage device, as ``estimate``
-    counts them (ZeRO-3's gathered working layers included when it shards per layer;
-    ``deferred``: pipelined ZeRO-2/3, ``sharding.deferred_sync``)."""
-    p_local = stage_params(model, layers, tp, first, last, single)
-    edge = edge_params(model, tp, first, last, single)
-    w, g, o = state_bytes(p_local, precision, zero, dp, deferred, edge)
-    if zero == 3 and dp > 1 and not deferred:
-        w += zero3_working_bytes(model, tp, precision)
-    return w + g + o
 
 
 @dataclass
@@ -239,8 +214,10 @@ class ClassTable:
         skey = (layers, first, last, p == 1, z)
         state = self._state.get(skey)
         if state is None:
-            state = self._state[skey] = stage_state_bytes(
-                self.model, layers, self.tp, first, last, p == 1, k.precision, z, k.dp_assumed
+            state = self._state[skey] = sum(
+                stage_state(
+                    self.model, layers, self.tp, first, last, p == 1, k.precision, z, k.dp_assumed
+                )
             )
         return state + acts + self.reserve_bytes
 

@@ -21,11 +21,9 @@ from hetplan.cost.estimate import (
 )
 from hetplan.cost.memory import (
     combine_activation_bytes,
-    edge_params,
     held_chunks,
     stage_params,
-    state_bytes,
-    zero3_working_bytes,
+    stage_state,
 )
 from hetplan.cost.params import CostParams, default_params
 from hetplan.cost.schedule import held_layers, peak_in_flight
@@ -138,11 +136,8 @@ class Scorer:
         worst = 0.0
         for j in {0, c.pp - 1}:
             first, last = j == 0, j == c.pp - 1
-            p_local = shape.p_first if first else shape.p_last
-            edge = edge_params(model, c.tp, first, last, c.pp == 1)
-            w, g, o = state_bytes(p_local, precision, c.zero_stage, c.dp, whole_local=edge)
-            if c.zero_stage == 3:
-                w += zero3_working_bytes(model, c.tp, precision)
+            w, g, o = stage_state(model, shape.split[j], c.tp, first, last, c.pp == 1,
+                                  precision, c.zero_stage, c.dp)  # fmt: skip
             units = peak_in_flight(c.schedule, c.pp, m, c.virtual_stages, j)
             light = lightened_chunks(shape.split, c.virtual_stages)[j] if c.lightened else None
             chunks = held_chunks(shape.split[j], c.virtual_stages, first, light)
