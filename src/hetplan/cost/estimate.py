@@ -11,6 +11,7 @@ from hetplan.cluster import Cluster, Node
 from hetplan.cost import comm
 from hetplan.cost.memory import (
     MemoryBreakdown,
+    edge_params,
     held_chunks,
     stage_activation_bytes,
     stage_params,
@@ -457,11 +458,10 @@ def _sync_groups(plan: Plan, model: ModelSpec) -> list[tuple[float, list[tuple[i
                     for r in rs:
                         stage_of[r], holds[r] = j, True
         holders = [(r, stage_of[r]) for r in range(plan.dp) if holds[r]]
-        params = (b - a) * model.layer_params()
-        if a == 0:
-            params += model.embedding_params()
-        if b == model.layers:
-            params += model.head_params()
+        # memory's count: a segment of the whole model is held by single-stage replicas
+        # only, where a tied head is the embedding's table (one tensor, synced once)
+        first, last = a == 0, b == model.layers
+        params = stage_params(model, b - a, 1, first, last, first and last)
         out.append((float(params), holders))
     return out
 
@@ -533,9 +533,11 @@ def sync_layout(plan: Plan, model: ModelSpec, node_of: Any) -> SyncLayout:
             if per_rank and len(per_rank[0]) > len(dp_members.get(h, [])):
                 dp_members[h] = per_rank[0]
     edges = [0.0] * len(groups)  # segments in layer order: the embedding's first
-    if groups:
-        edges[0] += model.embedding_params()
-        edges[-1] += model.head_params()
+    if groups:  # one segment: single-stage replicas, a tied table counted once (memory's)
+        single = len(groups) == 1
+        edges[0] += edge_params(model, 1, True, single, single)
+        if not single:
+            edges[-1] += edge_params(model, 1, False, True, False)
     return SyncLayout(groups, group_members, concurrency, dp_members, edge_params=edges)
 
 

@@ -54,8 +54,8 @@ def replan_report(
 ) -> tuple[dict[str, Any], Any]:
     """Returns the JSON report of a replan (new plan, times, changes, recovery) and the plan;
     compute times come from the measured ``profile`` (else $HETPLAN_PROFILE) first."""
-    from hetplan.cli import load_cost
     from hetplan.cluster import load_cluster
+    from hetplan.commands.common import load_cost
     from hetplan.elastic.recovery import plan_recovery, problem_from_plans
     from hetplan.elastic.replan import replan
     from hetplan.model import load_model

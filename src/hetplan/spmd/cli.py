@@ -64,9 +64,11 @@ def plan(
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object"),
 ) -> None:
     """Synthesise a program and print it with ratios and DP-EV / DP-CP baselines."""
-    from hetplan.cli import _precision
+    from hetplan.commands.common import resolve_precision
 
-    result = plan_module(module, cluster, inputs, _precision(load_cluster(cluster), precision))
+    result = plan_module(
+        module, cluster, inputs, resolve_precision(load_cluster(cluster), precision)
+    )
     if as_json:
         print(json.dumps(result.to_dict()))
         return

@@ -91,8 +91,8 @@ def simulate(
 
     hetplan (replan and peer-first recovery), restart from storage, wait for the lost nodes,
     and on-demand: tokens, time to the token target, GPU-hours and dollars of each."""
-    from hetplan.cli import _batch, _precision, load_cost, print_json
     from hetplan.cluster import load_cluster
+    from hetplan.commands.common import load_cost, print_json, resolve_batch, resolve_precision
     from hetplan.elastic.cli import storage_bandwidth_bytes_per_s
     from hetplan.market import load_market
     from hetplan.model import load_model
@@ -133,9 +133,9 @@ def simulate(
     first = layout(pool, tr.points[0].counts)
     if not first:
         raise InputError("--trace", "its first change point has no GPUs available")
-    prec = _precision(pool.cluster(first), precision)
+    prec = resolve_precision(pool.cluster(first), precision)
     planner = Planner(
-        spec, pool, prec, _batch(spec, global_batch_size), load_cost(params_path, None),
+        spec, pool, prec, resolve_batch(spec, global_batch_size), load_cost(params_path, None),
         storage, replan_search=search,
     )  # fmt: skip
     settings = Settings(

@@ -1,0 +1,131 @@
+"""What the main CLI's commands share: the consoles, cost parameters with a measured
+profile, JSON output, warnings, and the precision and batch a command resolves."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+from hetplan.cluster import Cluster
+from hetplan.commands.options import PROFILE_ENV
+from hetplan.cost.estimate import estimate
+from hetplan.cost.params import CostParams, load_params
+from hetplan.errors import InputError
+from hetplan.model import ModelSpec
+from hetplan.plan import PRECISIONS, Plan
+
+# a pipe gets wide lines rather than rich's 80-column default, so tables stay readable
+out = Console(width=None if sys.stdout.isatty() else 200)
+err = Console(stderr=True, width=None if sys.stderr.isatty() else 200)
+
+TF32_NOTE = (
+    "note: fp32 uses the FP32 CUDA-core peak; PyTorch with TF32 enabled (NGC containers, "
+    "torch.backends.cuda.matmul.allow_tf32=True) runs fp32 matmuls on TF32 tensor cores: "
+    "--precision tf32"
+)
+
+
+def open_profile(profile_path: Path | None) -> Any:
+    """Returns the ProfileDB at ``profile_path`` (else at $HETPLAN_PROFILE), or None.
+
+    The path must name an existing SQLite file: opening a profile never creates one."""
+    origin = ""
+    if profile_path is None:
+        env = os.environ.get(PROFILE_ENV, "").strip()
+        if not env:
+            return None
+        profile_path, origin = Path(env), f" (from ${PROFILE_ENV})"
+    if not profile_path.is_file():
+        raise InputError("--profile", f"no such file: {profile_path}{origin}")
+    try:
+        with profile_path.open("rb") as fh:
+            head = fh.read(16)
+    except OSError as exc:
+        raise InputError(
+            "--profile", f"cannot read {profile_path}{origin}: {exc.strerror}"
+        ) from None
+    if not head.startswith(b"SQLite format 3"):
+        raise InputError("--profile", f"{profile_path}{origin} is not an SQLite profile database")
+    import importlib
+    import sqlite3
+
+    try:  # the profile database moved from runtime/ to measured/
+        module = importlib.import_module("hetplan.measured.profile_db")
+    except ModuleNotFoundError:
+        module = importlib.import_module("hetplan.runtime.profile_db")
+    try:
+        return module.ProfileDB(profile_path)
+    except sqlite3.Error as exc:
+        raise InputError("--profile", f"cannot open {profile_path}{origin}: {exc}") from None
+
+
+def load_cost(params_path: Path | None, profile_path: Path | None) -> CostParams:
+    """Returns the cost-model parameters of ``--params`` (else the shipped ones), reading
+    compute times from the measured profile of ``--profile`` (else $HETPLAN_PROFILE) first."""
+    params = load_params(params_path)
+    db = open_profile(profile_path)
+    return params if db is None else params.with_profile(db)
+
+
+def print_json(obj: Any) -> None:
+    """Writes one JSON object to stdout with the standard library (no highlighting: a
+    large plan prints in milliseconds, not through rich)."""
+    sys.stdout.write(json.dumps(obj))
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+
+
+def tf32_note(gpus: Any, precision: str, as_json: bool) -> None:
+    """Prints, once, that fp32 means CUDA cores when a GPU has TF32 tensor cores."""
+    if precision == "fp32" and not as_json and any(g.has_tf32 for g in gpus):
+        err.print(TF32_NOTE, highlight=False, soft_wrap=True)
+
+
+def print_warnings(warnings: list[str]) -> None:
+    for line in warnings:
+        out.print(f"[bold yellow]warning:[/] {line}", highlight=False, soft_wrap=True)
+
+
+def resolve_precision(cluster: Cluster, precision: str | None) -> str:
+    if precision is None:
+        return "bf16" if all(g.supports("bf16") for g in cluster.gpu_types_used()) else "fp16"
+    if precision not in PRECISIONS:
+        raise InputError("--precision", f"'{precision}' is not fp32, tf32, bf16 or fp16")
+    for gpu in cluster.gpu_types_used():
+        if not gpu.supports(precision):
+            raise InputError("--precision", f"{gpu.name} has no {precision} support")
+    return precision
+
+
+def resolve_batch(model: ModelSpec, global_batch: int | None) -> int:
+    if global_batch is None:
+        return model.default_global_batch
+    if global_batch <= 0:
+        raise InputError("--global-batch-size", "must be positive")
+    return global_batch
+
+
+def write_pictures(
+    plan: Plan,
+    model: ModelSpec,
+    cluster: Cluster,
+    params: CostParams,
+    trace: Path | None,
+    timeline: Path | None,
+) -> None:
+    if trace is None and timeline is None:
+        return
+    recorded = estimate(plan, model, cluster, params, record=True)
+    if trace is not None:
+        from hetplan.report.trace import write_trace
+
+        write_trace(trace, plan, recorded)
+    if timeline is not None:
+        from hetplan.report.timeline import write_timeline
+
+        write_timeline(timeline, plan, recorded)

@@ -1,0 +1,54 @@
+"""``export``: a plan as Megatron-LM arguments or a DeepSpeed configuration."""
+
+from __future__ import annotations
+
+import json
+import shlex
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from hetplan.commands.common import err, out
+from hetplan.commands.options import ModelOpt, SeqOpt
+from hetplan.errors import InputError
+from hetplan.model import load_model
+from hetplan.plan import load_plan
+
+
+def register(app: typer.Typer) -> None:
+    """Adds ``export`` to ``app``."""
+    app.command()(export)
+
+
+def export(
+    plan_path: Annotated[Path, typer.Argument(help="Plan JSON file")],
+    model: ModelOpt,
+    fmt: Annotated[str, typer.Option("--format", help="megatron or deepspeed")] = "megatron",
+    seq_len: SeqOpt = None,
+    out_path: Annotated[Path | None, typer.Option("--out", "-o", help="Write to a file")] = None,
+) -> None:
+    """Export a plan to Megatron-LM arguments or a DeepSpeed configuration.
+
+    The DeepSpeed configuration holds only keys DeepSpeed documents; the parallel sizes
+    DeepSpeed takes from its launcher are printed on stderr as Megatron-DeepSpeed arguments."""
+    from hetplan.report.export import deepspeed_config, deepspeed_launch_args, megatron_args
+
+    spec = load_model(model, seq_len)
+    the_plan = load_plan(plan_path)
+    if fmt == "megatron":
+        text = " \\\n  ".join(shlex.quote(a) for a in megatron_args(the_plan, spec)) + "\n"
+    elif fmt == "deepspeed":
+        text = json.dumps(deepspeed_config(the_plan, spec), indent=2) + "\n"
+    else:
+        raise InputError("--format", f"'{fmt}' is not megatron or deepspeed")
+    if out_path is None:
+        out.print(text, end="", highlight=False, soft_wrap=True)
+    else:
+        tmp = out_path.with_name(out_path.name + ".tmp")
+        tmp.write_text(text)
+        tmp.replace(out_path)
+    if fmt == "deepspeed":  # DeepSpeed takes the parallel sizes from the launcher
+        launch = deepspeed_launch_args(the_plan, str(out_path or "ds_config.json"))
+        err.print(f"Megatron-DeepSpeed arguments: {shlex.join(launch)}", highlight=False,
+                  soft_wrap=True, markup=False)  # fmt: skip
