@@ -205,8 +205,9 @@ class _Job:
 
 
 def _floor(job: _Job, offer: Offer) -> TypeFloor:
+    node = offer.cluster(1).nodes[0]  # its intra-node link prices the TP collectives
     return type_floor(job.model, offer.gpu, offer.gpus_per_node, job.global_batch, job.params,
-                      job.precision, job.flash)  # fmt: skip
+                      job.precision, job.flash, node, job.limits.overlap_tp_comm)  # fmt: skip
 
 
 def _iterations(job: _Job) -> float:

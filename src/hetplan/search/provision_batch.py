@@ -32,6 +32,26 @@ N < M single GPUs each run whole micro-batches (one GPU cannot run 1.5 of them i
 micro-batch times), and a pipeline's GPUs beyond what its stages' caps need add nothing:
 what the throughput floor misses for configurations with more GPUs than the batch can feed.
 
+**The schedule** (``_schedule_gpus``). A stage is one device group running its actions one
+at a time, and the replay (``estimate``) starts no action before its inputs exist:
+
+* one model chunk per stage (1F1B, GPipe): a stage's first backward needs some
+  micro-batch's forward through every stage and its backward back to the stage; then the
+  stage runs its m backwards (b_k each, at least its layers' ``layer_back_tp``, their TP
+  collectives included, and half the fixed cost); after its last one, that micro-batch's
+  backward still crosses the earlier stages. So T >= path + (m - 1) b_k for every stage k:
+  with the path P in [P_i, P_i+1] (``DRAIN_PATHS`` geometric intervals of [path floor, T]),
+  each stage's backward is within (T - P_i) / (m - 1) and the path within P_i+1, and G is
+  at least the least over the intervals of the linear program with that cap too;
+* interleaved (v chunks): a valid plan's pipeline of p > 1 stages runs a multiple of p
+  micro-batches (``plan.validate_plan``; both searches generate only those). With m = p it
+  has at least p = m GPUs; with m >= 2p its busiest stage runs m >= 2p micro-batches of at
+  least (its path) / p each, so T >= 2 x path: the linear program with the path within T / 2.
+  One stage (p = 1) runs m micro-batches of its whole path: the same holds for m >= 2.
+
+A pipeline is of one family or the other: G is at least the smaller of the two. TP
+collectives enter through the ``TypeFloor`` layer times (``provision_bounds``).
+
 The floor is the least over the micro-batch sizes (divisors of the global batch); it reads
 the same ``TypeFloor`` tables (``params.compute``) as the other floors.
 """
@@ -39,6 +59,7 @@ the same ``TypeFloor`` tables (``params.compute``) as the other floors.
 from __future__ import annotations
 
 import itertools
+from dataclasses import dataclass
 from functools import lru_cache
 
 import numpy as np
@@ -52,11 +73,12 @@ _SLACK = 1e-9
 """Relative tolerance that always errs towards a lower floor (float rounding)."""
 
 
-def _layer_times(floors: tuple[TypeFloor, ...], i: int) -> dict[int, float]:
-    """Returns, per TP degree some type allows, the fastest layer time at size index i."""
+def _layer_times(floors: tuple[TypeFloor, ...], i: int, attr: str = "layer_tp") -> dict[int, float]:
+    """Returns, per TP degree some type allows, the fastest layer time at size index i
+    (``attr``: forward + backward, or ``layer_back_tp``: the backward alone)."""
     out: dict[int, float] = {}
     for f in floors:
-        for t, x in zip(f.tps, f.layer_tp[i], strict=True):
+        for t, x in zip(f.tps, getattr(f, attr)[i], strict=True):
             out[t] = min(out.get(t, np.inf), x)
     return out
 
@@ -69,15 +91,25 @@ def least_gpus(
     stage_s: np.ndarray,
     path_s: np.ndarray,
     most: float | None = None,
+    drain: Drain | None = None,
 ) -> np.ndarray:
     """Returns the least GPUs (real: the linear program's optimum) of a pipeline holding
     ``layers`` layers in stages of at most ``stage_s`` seconds per micro-batch each (each
     stage ``fixed`` seconds plus its layers), with at most ``path_s`` seconds on the path
     for the layers and the stages' fixed costs (at least one stage per ``cap`` layers);
     arrays of one shape. TP degree ``tps[k]`` runs one layer in ``times[k]``; a stage holds
-    at most ``most`` layers (default ``layers``); inf where no stage fits."""
+    at most ``most`` layers (default ``layers``); inf where no stage fits. ``drain``: each
+    stage's backward alone is also at most ``drain.budget_s`` (same shape as ``stage_s``),
+    a layer's backward at ``tps[k]`` taking ``drain.times[k]`` and each stage's
+    ``drain.fixed``; a stage holds ``drain.loose`` units beyond the layers that fit (the
+    embedding's and the head's whole-layer units, whose backward is not counted)."""
     slot = (stage_s[..., None] - fixed) / times * (1 + _SLACK) + _SLACK
     caps = np.clip(np.floor(slot), 0, layers if most is None else most)
+    if drain is not None:
+        with np.errstate(invalid="ignore"):
+            back = (drain.budget_s[..., None] - drain.fixed) / drain.times * (1 + _SLACK)
+        back = np.where(drain.budget_s[..., None] >= drain.fixed, back + _SLACK, -1.0)
+        caps = np.minimum(caps, np.where(back >= 0, np.floor(back) + drain.loose, 0.0))
     with np.errstate(divide="ignore", invalid="ignore"):
         a = np.where(caps > 0, tps / caps, np.inf)  # GPUs per layer at each degree
         b = np.where(caps > 0, times + fixed / caps, np.inf)  # path per layer
@@ -93,6 +125,18 @@ def least_gpus(
             g = np.where(ok, x * af + (layers - x) * as_, np.inf)
             best = np.minimum(best, g)
     return best
+
+
+@dataclass(frozen=True)
+class Drain:
+    """A cap on each stage's backward alone (``least_gpus``): per-micro-batch budget
+    ``budget_s`` (an array), ``times[k]`` a layer's fastest backward at TP ``tps[k]``,
+    ``fixed`` a stage's fixed backward cost, ``loose`` units a stage holds uncounted."""
+
+    budget_s: np.ndarray
+    times: np.ndarray
+    fixed: float
+    loose: float
 
 
 def _ranges(top: int, exact: int, ratio: float) -> list[tuple[int, int]]:
@@ -115,6 +159,8 @@ def _table(
     """Returns (the grid of iteration times T, the least GPUs per micro-batch any plan
     needs to finish in T, non-increasing) at micro-batch size index i."""
     lt = _layer_times(floors, i)
+    # the backward alone (the schedule's bound); tables built without it: no such bound
+    bt = _layer_times(floors, i, "layer_back_tp") if all(f.layer_back_tp for f in floors) else {}
     tps = tuple(sorted(lt))
     # the embedding and the head in whole layers of their stage's degree (module docstring)
     parts = []
@@ -127,17 +173,19 @@ def _table(
         least = min(at.values())
         parts.append((whole, least - whole * max(lt.values())))
     (de, ce), (dh, ch) = parts
+    fixed = min(max(f.fixed_s, 0.0) for f in floors)
     return _grid_table(
         model.layers,
         de + dh,
         global_batch // floors[0].micro_batches[i],
         tps,
         tuple(lt[t] for t in tps),
-        min(max(f.fixed_s, 0.0) for f in floors),
+        fixed,
         min(f.embed_s[i] for f in floors) + min(f.head_s[i] for f in floors),
         ce + ch,
         path_floor_s(model, list(floors), i, 1),
         stages,
+        tuple(bt[t] for t in tps) if bt else (),
     )
 
 
@@ -153,12 +201,18 @@ def _grid_table(
     cut: float,
     lo: float,
     stages: int,
+    back_: tuple[float, ...] = (),
 ) -> tuple[np.ndarray, np.ndarray]:
     """``_table`` from what it depends on (types with the same fastest times share it):
     every pipeline has at least ``stages`` GPUs, one per stage."""
-    grid, gpus, m_hi = _gpu_table(layers, extra, m_total, tps_, times_, fixed, ends, cut, lo)
+    grid, gpus, m_hi = _gpu_table(layers, extra, m_total, tps_, times_, fixed, ends, cut, lo,
+                                  back_)  # fmt: skip
     kappa = (np.maximum(gpus, stages) / m_hi).min(axis=1)
     return grid, np.minimum.accumulate(kappa)
+
+
+DRAIN_PATHS = 4
+"""Intervals of a pipeline's path the drain bound splits [path floor, T] into (geometric)."""
 
 
 @lru_cache(maxsize=1024)
@@ -172,11 +226,14 @@ def _gpu_table(
     ends: float,
     cut: float,
     lo: float,
+    back_: tuple[float, ...] = (),
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Returns the grid of iteration times from ``lo``, the least whole GPUs of a pipeline
     finishing m_lo micro-batches in each (grid x ranges), and each range's m_hi: its
     ``layers`` and ``extra`` whole layers' worth of embedding and head, with ``cut`` seconds
-    of the path besides (``_table``)."""
+    of the path besides (``_table``); with ``back_`` (a layer's fastest backward per
+    degree), the least over the schedules of the drain and interleaving bounds (module
+    docstring)."""
     tps, times = np.array(tps_, dtype=float), np.array(times_)
     hi = m_total * (layers * times.max() + fixed + ends) * STEP
     grid = lo * STEP ** np.arange(int(np.ceil(np.log(hi / lo) / np.log(STEP))) + 1)
@@ -186,8 +243,85 @@ def _gpu_table(
                                                          strict=True))  # fmt: skip
     t = grid[:, None]
     path = np.broadcast_to(t - cut, (grid.size, m_lo.size))
-    g = least_gpus(layers + extra, tps, times, fixed, t / m_lo, path)
+    units = layers + extra
+    stage = t / m_lo
+    g = least_gpus(units, tps, times, fixed, stage, path)
+    if back_:
+        g = np.maximum(g, _schedule_gpus(units, extra, tps, times, fixed, cut, lo, grid, m_lo,
+                                         np.array(back_)))  # fmt: skip
     return grid, np.ceil(g * (1 - _SLACK)), m_hi
+
+
+def _schedule_gpus(
+    units: int,
+    extra: int,
+    tps: np.ndarray,
+    times: np.ndarray,
+    fixed: float,
+    cut: float,
+    lo: float,
+    grid: np.ndarray,
+    m_lo: np.ndarray,
+    back: np.ndarray,
+) -> np.ndarray:
+    """Returns, per (T, range), the least real GPUs of a pipeline of at least m_lo
+    micro-batches finishing in T under either schedule family (module docstring): one model
+    chunk per stage (``drain_gpus``) or interleaved (``interleaved_gpus``)."""
+    one = drain_gpus(units, extra, tps, times, fixed, cut, lo, grid, m_lo, back)
+    return np.minimum(one, interleaved_gpus(units, tps, times, fixed, cut, grid, m_lo))
+
+
+def interleaved_gpus(
+    units: int,
+    tps: np.ndarray,
+    times: np.ndarray,
+    fixed: float,
+    cut: float,
+    grid: np.ndarray,
+    m_lo: np.ndarray,
+) -> np.ndarray:
+    """Returns, per (T in ``grid``, m_lo), the least GPUs of an interleaved pipeline of at
+    least m_lo micro-batches finishing in T: its p stages divide m; m = p needs p >= m_lo
+    GPUs, m >= 2p keeps the path within T / 2 (the busiest stage runs m >= 2p micro-batches
+    of at least path / p each)."""
+    t = grid[:, None]
+    shape = (grid.size, m_lo.size)
+    stage = np.broadcast_to(t / m_lo, shape)
+    half = least_gpus(units, tps, times, fixed, stage, np.broadcast_to(t / 2 - cut, shape))
+    return np.minimum(np.broadcast_to(m_lo, shape), half)
+
+
+def drain_gpus(
+    units: int,
+    extra: int,
+    tps: np.ndarray,
+    times: np.ndarray,
+    fixed: float,
+    cut: float,
+    lo: float,
+    grid: np.ndarray,
+    m_lo: np.ndarray,
+    back: np.ndarray,
+) -> np.ndarray:
+    """Returns, per (T in ``grid``, m_lo), the least GPUs of a pipeline of one model chunk
+    per stage and at least m_lo micro-batches finishing in T: T >= path + (m - 1) x every
+    stage's backward; a path in [P_k, P_k+1] (``DRAIN_PATHS`` geometric intervals from the
+    path floor ``lo`` to T) leaves each stage's backward (T - P_k) / (m - 1)."""
+    t = grid[:, None]
+    shape = (grid.size, m_lo.size)
+    stage = np.broadcast_to(t / m_lo, shape)
+    ratio = np.maximum(grid / lo, 1.0) ** (1.0 / DRAIN_PATHS)
+    one = np.full(shape, np.inf)
+    several = m_lo > 1
+    for k in range(DRAIN_PATHS):
+        p_lo, p_hi = lo * ratio**k, lo * ratio ** (k + 1)
+        if k == DRAIN_PATHS - 1:
+            p_hi = grid  # the last interval ends at T itself
+        budget = np.where(several, (grid - p_lo)[:, None] / np.maximum(m_lo - 1, 1), np.inf)
+        drain = Drain(budget, back, fixed / 2, float(extra))
+        path = np.broadcast_to(p_hi[:, None] - cut, shape)
+        one = np.minimum(one, least_gpus(units, tps, times, fixed, stage, path, drain=drain))
+    return one
 
 
 EXACT_M = 32

@@ -18,6 +18,12 @@ priced by ``estimate``. These facts of ``estimate`` hold for any plan on those G
   pieces' choices of type and degree (``coupled_floor_s``), the dual of the linear program
   that relaxes those choices.
 
+Every layer at TP > 1 also runs its tensor-parallel collectives, which ``estimate`` puts on
+the stage's backward: a stage at TP t is busy for them too, and they lie on the path. The
+per-layer floors at TP t add the least of them (``tp_comm_floor_s``: ``stage_times``' own
+collective time of a one-layer stage, less the share overlap may hide), so the throughput,
+path and coupled floors hold with them.
+
 A plan has one micro-batch size, a divisor of the global batch: the bound is, over those
 sizes, the least of the largest of the three at that size (a large micro-batch computes
 efficiently but lengthens the critical path). All read ``params.compute``, so a measured
@@ -32,9 +38,12 @@ from functools import lru_cache
 
 import numpy as np
 
+from hetplan.cluster import Node
+from hetplan.cost.estimate import StageKey, stage_times
 from hetplan.cost.params import CostParams
 from hetplan.hardware import GPUType
 from hetplan.model import ModelSpec
+from hetplan.plan import Plan
 from hetplan.search.homogeneous_candidates import divisors
 
 
@@ -65,12 +74,41 @@ class TypeFloor:
     """The embedding's, likewise."""
     head_tp: tuple[tuple[float, ...], ...] = ()
     """The head's, likewise."""
+    layer_back_tp: tuple[tuple[float, ...], ...] = ()
+    """``layer_back_tp[i][k]``: fastest backward alone of one layer at micro-batch size i
+    and TP ``tps[k]`` (a stage's backward, ``provision_batch``'s pipeline drain)."""
 
 
 def micro_batches(global_batch: int) -> list[int]:
     """Returns every micro-batch size a plan may use: the global batch is a whole number of
     micro-batches in both searches, so a divisor of it."""
     return divisors(global_batch)
+
+
+def tp_comm_floor_s(
+    model: ModelSpec,
+    node: Node,
+    params: CostParams,
+    tp: int,
+    mb: int,
+    precision: str,
+    flash: bool,
+    sp: bool,
+    overlap: bool,
+) -> float:
+    """Returns the least tensor-parallel collective time one layer adds to a stage's
+    backward at TP ``tp`` on ``node`` (``estimate.stage_times``' own: a one-layer stage's
+    ``tp_comm``, without the embedding's and head's). With ``overlap`` (plans may overlap
+    their TP collectives, only with sequence parallelism) ``stage_times`` hides
+    min(tp_overlap x comm, compute): at most that share, so (1 - tp_overlap) x comm stays."""
+    if tp <= 1:
+        return 0.0
+    stub = Plan(mb, mb, (), precision=precision, sequence_parallel=sp, flash_attention=flash)
+    key = StageKey(node.gpu, node.intra_node_bytes_per_s, tp, 1, False, False, False)
+    comm = max(stage_times(stub, model, key, node, params)[3], 0.0)
+    if overlap and sp:
+        comm *= 1.0 - min(max(params.gpu(node.gpu.name).tp_overlap, 0.0), 1.0)
+    return comm
 
 
 def type_floor(
@@ -81,9 +119,13 @@ def type_floor(
     params: CostParams,
     precision: str,
     flash: bool,
+    node: Node | None = None,
+    overlap_tp: bool = True,
 ) -> TypeFloor:
     """Returns the floors of ``gpu`` in nodes of ``gpus_per_node`` (memoized), over every
-    tensor-parallel degree dividing the node, with and without sequence parallelism."""
+    tensor-parallel degree dividing the node, with and without sequence parallelism. With
+    the ``node`` (its intra-node link), each layer at TP > 1 also pays its tensor-parallel
+    collectives (``tp_comm_floor_s``; ``overlap_tp``: plans may overlap them)."""
     src = params.compute
 
     def make() -> TypeFloor:
@@ -97,12 +139,18 @@ def type_floor(
             lts: list[float] = []
             ets: list[float] = []
             hts: list[float] = []
+            bts: list[float] = []
             for tp in tps:
-                fb = float("inf")
+                fb = bk = float("inf")
                 for sp in {False, tp > 1}:
                     lt = src.layer(model, gpu, params, tp, mb, precision, flash, sp).times
-                    fb = min(fb, lt.forward_s + lt.backward_s)
-                    rate = max(rate, mb * layer_flops / tp / (lt.forward_s + lt.backward_s))
+                    tc = 0.0
+                    if node is not None:  # on the backward side of the replay, as estimate's
+                        tc = tp_comm_floor_s(model, node, params, tp, mb, precision, flash, sp,
+                                             overlap_tp)  # fmt: skip
+                    fb = min(fb, lt.forward_s + lt.backward_s + tc)
+                    bk = min(bk, lt.backward_s + tc)
+                    rate = max(rate, mb * layer_flops / tp / (lt.forward_s + lt.backward_s + tc))
                 ht = src.head(model, gpu, params, tp, mb, precision, flash).times
                 hb = ht.forward_s + ht.backward_s
                 rate = max(rate, mb * head_flops / tp / hb)
@@ -110,17 +158,20 @@ def type_floor(
                 lts.append(fb)
                 hts.append(hb)
                 ets.append(et.forward_s + et.backward_s)
+                bts.append(bk)
             cols.append((rate, min(lts), min(ets), min(hts)))
-            per_tp.append((tuple(lts), tuple(ets), tuple(hts)))
+            per_tp.append((tuple(lts), tuple(ets), tuple(hts), tuple(bts)))
         rates, layers, embeds, heads = zip(*cols, strict=True)
         fixed = max(params.gpu(gpu.name).microbatch_overhead_s, 0.0) + 2 * max(
             src.action_overhead_s(gpu), 0.0
         )
-        lt_, et_, ht_ = zip(*per_tp, strict=True)
-        return TypeFloor(tuple(mbs), rates, layers, embeds, heads, fixed, tps, lt_, et_, ht_)
+        lt_, et_, ht_, bt_ = zip(*per_tp, strict=True)
+        return TypeFloor(tuple(mbs), rates, layers, embeds, heads, fixed, tps, lt_, et_, ht_,
+                         bt_)  # fmt: skip
 
+    link = None if node is None else (node.gpu, node.intra_node_bytes_per_s, overlap_tp)
     key = ("type_floor", model, gpu, gpus_per_node, global_batch, params.gpu(gpu.name),
-           precision, flash)  # fmt: skip
+           precision, flash, link)  # fmt: skip
     out: TypeFloor = src.cached(key, make)
     return out
 
