@@ -13,7 +13,8 @@ bench (profile and runs, which inherit it) raises its own priority (``--nice``, 
 to measure the machine rather than its neighbours' load.
 
 Run: .venv/bin/python bench/bench_runtime.py [--steps 8] [--repeats 3] [--keep DIR] [--cpu]
-Prints one row per plan and exits 1 if any prediction is off by more than 20%. ``--cpu``
+Prints one row per plan and exits 1 if any prediction of step time or peak memory is off
+by more than 20%, or a step under ``--elastic`` takes more than 10% longer than without. ``--cpu``
 adds each plan's CPU time (user+sys) per step and rank, which other jobs' load inflates
 far less than wall time.
 """
@@ -225,7 +226,7 @@ def main() -> int:
         "twice the steps, the difference divided by the extra steps (load-independent)",
     )
     args = ap.parse_args()
-    console = Console(width=150)
+    console = Console(width=200)
     before = group_nice()
     if args.nice and not set_priority(args.nice):
         console.print(f"cannot set niceness {args.nice}: measuring at normal priority")
@@ -326,16 +327,19 @@ def run_bench(args: argparse.Namespace, console: Console) -> int:
         "source",
         "pred. MB",
         "meas. MB",
+        "mem. error",
     )
     if args.cpu:
         cols += ("CPU s/step/rank", "vs CPU")
     for col in cols:
         table.add_column(col, justify="right")
-    worst = 0.0
+    worst = worst_mem = 0.0
     for name in names:
         p, m = statistics.median(pred[name]), statistics.median(meas[name])
         err = p / m - 1
         worst = max(worst, abs(err))
+        mem_err = mem_pred[name] / statistics.median(mem_meas[name]) - 1
+        worst_mem = max(worst_mem, abs(mem_err))
         rounds = " ".join(f"{a / b - 1:+.0%}" for a, b in zip(pred[name], meas[name], strict=True))
         table.add_row(
             name,
@@ -347,14 +351,24 @@ def run_bench(args: argparse.Namespace, console: Console) -> int:
             sources[name],
             f"{mem_pred[name] / 1e6:.1f}",
             f"{statistics.median(mem_meas[name]) / 1e6:.1f}",
+            f"{mem_err:+.1%}",
             *_cpu_cells(cpu[name], p),
         )
     console.print(table)
     console.print(
         f"niceness {os.getpriority(os.PRIO_PROCESS, 0)}; load average (1 min) while profiling: "
-        f"{' '.join(f'{x:.1f}' for x in profile_loads)}; worst error {worst:.1%}"
+        f"{' '.join(f'{x:.1f}' for x in profile_loads)}; worst error {worst:.1%}, "
+        f"memory {worst_mem:.1%}"
     )
-    return 0 if worst <= 0.2 else 1
+    overhead = 0.0
+    if "dp2" in names and "dp2" + ELASTIC in names:
+        ratios = [a / b for a, b in zip(meas["dp2" + ELASTIC], meas["dp2"], strict=True)]
+        overhead = statistics.median(ratios) - 1
+        console.print(
+            f"elastic overhead (dp2 --elastic against dp2, median of the rounds' ratios): "
+            f"{overhead:+.1%}, target within 10%"
+        )
+    return 0 if worst <= 0.2 and worst_mem <= 0.2 and overhead <= 0.1 else 1
 
 
 def _cpu_cells(cpu: list[float], predicted: float) -> list[str]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -134,3 +135,41 @@ def test_mixed_tp_inside_one_pipeline_refused(
     plan = write_plan(tmp_path / "p.json", [(8, [(2, [0, 1]), (2, [2])])])
     with pytest.raises(InputError, match="one tensor-parallel degree per pipeline"):
         preflight(_cfg(plan, inputs, tmp_path / "c", steps=2))
+
+
+@pytest.mark.distributed
+def test_resume_with_another_model_refused(
+    first_run: tuple[Path, Path], inputs: dict[str, Path]
+) -> None:
+    # the checkpoint is the tiny GPT's; the Llama of the same size is another model
+    root, other = first_run
+    cfg = _cfg(other, inputs, root, steps=4, resume=True)
+    with pytest.raises(InputError, match=r"--resume: checkpoint .* has family 'gpt', the model"):
+        preflight(replace(cfg, model=str(inputs["llama"])))
+
+
+def test_commit_and_prune_fsync_the_directories(
+    tmp_path: Path, inputs: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # a rename is durable only once its directory is fsynced: record what gets fsynced
+    synced: list[str] = []
+    real = ckpt.os.fsync
+
+    def fsync(fd: int) -> None:
+        synced.append(str(Path(f"/proc/self/fd/{fd}").readlink()))
+        real(fd)
+
+    monkeypatch.setattr(ckpt.os, "fsync", fsync)
+    root = tmp_path / "ckpt"
+    model = load_model(str(inputs["gpt"]))
+    for step in (1, 2):
+        assert ckpt.begin(root, step)
+        stage = ckpt.staging_dir(root, step)
+        ckpt.write_atomic(stage / "embed.pt", b"x")
+        synced.clear()
+        ckpt.commit(root, step, 8 * step, 0, model, {"embed.pt": "0"}, global_batch=8, keep=1)
+        # the manifest file, its directory before the rename, the root after it and after
+        # 'latest' is replaced; at step 2 the root once more after step 1 is pruned
+        assert synced[1] == str(stage)
+        assert synced.count(str(root)) == (2 if step == 1 else 3)
+    assert [s for s, _ in ckpt.step_dirs(root)] == [2]

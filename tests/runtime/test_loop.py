@@ -169,6 +169,13 @@ def test_worker_killed_mid_save_exits_with_cause_and_resumes(
     assert res.returncode == 0, res.stderr[-2000:]
     record = json.loads(res.stdout)
     assert [s["step"] for s in record["steps"]] == [done + 1, done + 2]
+    # --json: measured figures per step and per rank next to the prediction for the plan
+    assert all(s["tokens_per_s"] == pytest.approx(4 * 16 / s["time_s"]) for s in record["steps"])
+    assert record["measured_step_time_s"] > 0 and record["predicted_step_time_s"] > 0
+    assert record["tokens_per_s"] == pytest.approx(4 * 16 / record["measured_step_time_s"])
+    devices = {"host:0", "host:1"}
+    assert set(record["peak_memory_bytes"]) == set(record["predicted_peak_memory_bytes"]) == devices
+    assert record["compute_source"] in ("analytical", "measured", "interpolated", "scaled")
     assert not any(p.exists() for p in staged if p.name != f".staging-step_{done + 1:08d}")
     assert not any(root.glob(".staging-*"))
 
@@ -198,6 +205,61 @@ def test_token_files_checked_and_read(tmp_path: Path) -> None:
     ids[: batch * seq].tofile(short)
     with pytest.raises(InputError, match=r"fewer than one global batch \(8 x 16 \+ 1 = 129\)"):
         check_data_file(short, vocab, seq, batch)
+
+
+def test_bad_data_files_exit_2_with_one_line(
+    tmp_path: Path, inputs: dict[str, Path], write_plan: Any
+) -> None:
+    import numpy as np
+
+    # tiny GPT: vocabulary 64, sequence 16; the plan's global batch 8 needs 8 x 16 + 1 ids
+    plan = write_plan(tmp_path / "p.json", ASYM)
+    ids = (np.arange(129) * 7 % 64).astype(np.uint16)
+    npy = tmp_path / "ids.npy"
+    np.save(npy, ids.astype(np.int32))  # a .npy of integer ids is read as it is
+    from hetplan.runtime.data import TokenSource
+
+    assert TokenSource(64, 16, 0, npy).sequence(0).tolist() == ids[:17].tolist()
+    bad = {
+        "odd.bin": (ids.tobytes()[:-1], "odd.bin is 257 bytes, not a whole number of uint16"),
+        "big.bin": (np.append(ids, 64).astype(np.uint16).tobytes(), "token id 64, beyond"),
+        "short.bin": (ids[:128].tobytes(), r"holds 128 tokens, fewer than one global batch"),
+        "short.txt": (b"x" * 300, "byte-level tokens need a vocabulary >= 256, model has 64"),
+    }
+    for name, (data, _) in bad.items():
+        (tmp_path / name).write_bytes(data)
+    np.save(tmp_path / "floats.npy", ids.astype(np.float32))
+    np.save(tmp_path / "negative.npy", np.append(ids.astype(np.int64), -1))
+    bad["floats.npy"] = (b"", "floats.npy holds float32 values, not integer token ids")
+    bad["negative.npy"] = (b"", "negative.npy holds token id -1, below 0")
+    for name, (_, want) in bad.items():
+        root = tmp_path / f"ckpt-{name}"
+        res = _cli(
+            "launch", str(plan), "--model", str(inputs["gpt"]), "--cluster",
+            str(inputs["cluster"]), "--data", str(tmp_path / name),
+            "--checkpoint-dir", str(root),
+        )  # fmt: skip
+        assert res.returncode == 2, (name, res.stderr)
+        assert res.stderr.count("\n") == 1 and "Traceback" not in res.stderr, res.stderr
+        assert "--data" in res.stderr and want in res.stderr, res.stderr
+        assert not root.exists()  # refused before any process started
+
+
+@pytest.mark.distributed
+def test_dropout_option_reaches_the_model(
+    tmp_path: Path, inputs: dict[str, Path], write_plan: Any
+) -> None:
+    # one device: without dropout the run is the one-device reference to 1e-5 (as every
+    # equivalence test shows); --dropout 0.5 must move the first step's loss well beyond
+    # that (measured: 3.4e-4; a tiny model's first logits are small, so the loss stays
+    # near ln 64 either way)
+    from hetplan.model import load_model
+    from hetplan.runtime.reference import reference_train
+
+    plan = write_plan(tmp_path / "p.json", [(8, [(4, [0])])])
+    record = run_local(_cfg(plan, inputs, tmp_path / "c", steps=1, dropout=0.5, threads=1))
+    _, losses = reference_train(load_model(str(inputs["gpt"])), 8, 1, 0)
+    assert abs(record["steps"][0]["loss"] / losses[0] - 1) > 1e-4
 
 
 def test_learning_rate_schedule_by_hand() -> None:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hetplan.errors import InputError
+from hetplan.errors import InputError, shown
 from hetplan.model import ModelSpec
 
 MANIFEST = "manifest.json"
@@ -108,7 +108,8 @@ def verify_checkpoint(ckpt: Path, model: ModelSpec) -> Manifest:
         if man.model.get(key) != value:
             raise InputError(
                 "--resume",
-                f"checkpoint {man.path} has {key}={man.model.get(key)!r}, the model {value!r}",
+                f"checkpoint {man.path} has {key} {shown(man.model.get(key))}, "
+                f"the model {shown(value)}",
             )
     expected = {"embed.pt", "head.pt"} | {f"layer_{i:04d}.pt" for i in range(model.layers)}
     missing = sorted(expected - set(man.files))

@@ -44,7 +44,8 @@ def launch(
     cluster: Annotated[str, typer.Option("--cluster", help="Cluster file or inline spec.")],
     steps: Annotated[int, typer.Option(help="Train until this step.")] = 10,
     data: Annotated[
-        Path | None, typer.Option(help="Token file (.bin uint16, .u32) or text read as bytes.")
+        Path | None,
+        typer.Option(help="Token file (.bin uint16, .u32, .npy) or text read as bytes."),
     ] = None,
     checkpoint_dir: Annotated[Path | None, typer.Option(help="Checkpoint directory.")] = None,
     checkpoint_every: Annotated[int, typer.Option(help="Save every K steps (0: at end).")] = 0,

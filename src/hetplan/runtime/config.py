@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from hetplan.errors import InputError
 from hetplan.model import ModelSpec, load_model
@@ -88,36 +89,62 @@ def token_dtype(path: Path, vocab: int) -> str | None:
 
 def check_data_file(path: Path, vocab: int, seq: int, global_batch: int = 1) -> None:
     """Raises InputError unless ``path`` can feed the model: a token file (see
-    ``token_dtype``) whose ids are below the vocabulary and that holds one global batch of
-    sequences, or a text file read as byte tokens."""
+    ``token_dtype``, or a NumPy ``.npy`` array of integer ids) whose ids are below the
+    vocabulary and that holds one global batch of sequences, or a text file read as byte
+    tokens."""
     if not path.is_file():
         raise InputError("--data", f"no such file: {path}")
-    dtype = token_dtype(path, vocab)
-    if dtype is not None:
-        import numpy as np
-
-        size, item = path.stat().st_size, TOKEN_DTYPES[dtype]
-        if dtype == "uint16" and vocab > 65536:
-            raise InputError("--data", f"uint16 ids cannot hold a vocabulary of {vocab}")
-        if size % item:
+    need = global_batch * seq + 1
+    short = f"fewer than one global batch ({global_batch} x {seq} + 1 = {need})"
+    ids = open_tokens(path, vocab)
+    if ids is None:
+        if vocab < 256:
             raise InputError(
-                "--data", f"{path.name} is {size} bytes, not a whole number of {dtype} token ids"
+                "--data", f"byte-level tokens need a vocabulary >= 256, model has {vocab}"
             )
-        need = global_batch * seq + 1
-        if size // item < need:
-            raise InputError(
-                "--data",
-                f"{path.name} holds {size // item} tokens, fewer than one global batch "
-                f"({global_batch} x {seq} + 1 = {need})",
-            )
-        ids = np.memmap(path, dtype=dtype, mode="r")
-        top = max(int(ids[i : i + (1 << 24)].max()) for i in range(0, len(ids), 1 << 24))
-        if top >= vocab:
-            raise InputError(
-                "--data", f"{path.name} holds token id {top}, beyond the vocabulary of {vocab}"
-            )
+        if path.stat().st_size < need:
+            raise InputError("--data", f"{path.name} holds {path.stat().st_size} bytes, {short}")
         return
-    if vocab < 256:
-        raise InputError("--data", f"byte-level tokens need a vocabulary >= 256, model has {vocab}")
-    if path.stat().st_size < seq + 1:
-        raise InputError("--data", f"{path} is shorter than one sequence ({seq + 1} bytes)")
+    if len(ids) < need:
+        raise InputError("--data", f"{path.name} holds {len(ids)} tokens, {short}")
+    step = 1 << 24
+    low = min(int(ids[i : i + step].min()) for i in range(0, len(ids), step))
+    top = max(int(ids[i : i + step].max()) for i in range(0, len(ids), step))
+    if low < 0:
+        raise InputError("--data", f"{path.name} holds token id {low}, below 0")
+    if top >= vocab:
+        raise InputError(
+            "--data", f"{path.name} holds token id {top}, beyond the vocabulary of {vocab}"
+        )
+
+
+def open_tokens(path: Path, vocab: int) -> Any:
+    """Returns the token ids of ``path`` memory-mapped (a 1-D NumPy array), or None for a
+    text file read as bytes; raises InputError for a file of the wrong size or dtype."""
+    import numpy as np
+
+    if path.suffix.lower() == ".npy":
+        try:
+            ids = np.load(path, mmap_mode="r", allow_pickle=False)
+        except (ValueError, OSError) as e:
+            raise InputError("--data", f"{path.name} is not a readable .npy array ({e})") from e
+        if ids.dtype.kind not in "ui":
+            raise InputError(
+                "--data", f"{path.name} holds {ids.dtype} values, not integer token ids"
+            )
+        if ids.ndim != 1:
+            raise InputError(
+                "--data", f"{path.name} is a {ids.ndim}-D array; token ids are one flat array"
+            )
+        return ids
+    dtype = token_dtype(path, vocab)
+    if dtype is None:
+        return None
+    size, item = path.stat().st_size, TOKEN_DTYPES[dtype]
+    if dtype == "uint16" and vocab > 65536:
+        raise InputError("--data", f"uint16 ids cannot hold a vocabulary of {vocab}")
+    if size % item:
+        raise InputError(
+            "--data", f"{path.name} is {size} bytes, not a whole number of {dtype} token ids"
+        )
+    return np.memmap(path, dtype=dtype, mode="r")

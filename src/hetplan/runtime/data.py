@@ -1,6 +1,6 @@
 """Training data: synthetic tokens, a token file (a flat NumPy memmap of ids, uint16 as
-nanoGPT's ``train.bin``, uint32 for vocabularies over 65536) or a text file as bytes,
-addressed by sequence index.
+nanoGPT's ``train.bin``, uint32 for vocabularies over 65536, or a ``.npy`` array of integer
+ids) or a text file as bytes, addressed by sequence index.
 
 Sequence ``i`` of the stream is a fixed function of (seed, i), so a replica that takes
 rows [offset, offset + share) of a global batch reads exactly its share, and a run
@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from hetplan.runtime.config import check_data_file, token_dtype
+from hetplan.runtime.config import check_data_file, open_tokens
 
 
 class TokenSource:
@@ -25,8 +25,8 @@ class TokenSource:
         self._bytes: np.memmap | None = None
         if path is not None:
             check_data_file(path, vocab, seq)
-            dtype = token_dtype(path, vocab) or "uint8"
-            self._bytes = np.memmap(path, dtype=dtype, mode="r")
+            ids = open_tokens(path, vocab)
+            self._bytes = np.memmap(path, dtype="uint8", mode="r") if ids is None else ids
 
     def sequence(self, index: int) -> torch.Tensor:
         """Returns sequence ``index`` as int64 tokens of length seq + 1."""

@@ -1,0 +1,47 @@
+"""The device a run asks for, checked without a GPU: ``--device cuda`` where CUDA is absent
+is refused before any process starts (one line, exit 2), and the plan's tf32 switch sets
+the CUDA matmul flags (which exist without a GPU)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from hetplan.runtime.launch import _env
+from hetplan.runtime.precision import set_matmul_precision
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+def test_cuda_without_cuda_is_refused_before_start(
+    tmp_path: Path, inputs: dict[str, Path], write_plan: Any
+) -> None:
+    plan = write_plan(tmp_path / "p.json", [(4, [(4, [0])]), (4, [(4, [1])])])
+    root = tmp_path / "ckpt"
+    cmd = [
+        sys.executable, "-m", "hetplan", "launch", str(plan), "--model", str(inputs["gpt"]),
+        "--cluster", str(inputs["cluster"]), "--device", "cuda", "--checkpoint-dir", str(root),
+    ]  # fmt: skip
+    res = subprocess.run(cmd, env=_env(1), capture_output=True, text=True, timeout=300)
+    assert res.returncode == 2, res.stderr
+    assert res.stderr == "error: --device: cuda was asked for, but CUDA is not available here\n"
+    assert res.stdout == "" and not root.exists()
+
+
+def test_tf32_switch_sets_the_cuda_matmul_flags() -> None:
+    matmul, cudnn = torch.backends.cuda.matmul, torch.backends.cudnn
+    before = (matmul.allow_tf32, cudnn.allow_tf32)
+    try:
+        set_matmul_precision("tf32", torch.device("cuda"))
+        assert (matmul.allow_tf32, cudnn.allow_tf32) == (True, True)
+        for precision in ("fp32", "bf16", "fp16"):  # fp32 math stays fp32 under these
+            set_matmul_precision(precision, torch.device("cuda"))
+            assert (matmul.allow_tf32, cudnn.allow_tf32) == (False, False)
+        set_matmul_precision("tf32", torch.device("cpu"))  # CPU: no such flag is touched
+        assert (matmul.allow_tf32, cudnn.allow_tf32) == (False, False)
+    finally:
+        matmul.allow_tf32, cudnn.allow_tf32 = before
