@@ -229,7 +229,8 @@ def default_market_mix_bounds(console: Console) -> None:
     those no plan can finish (a spot run preempted faster than it progresses, too little
     memory), and of the rest those the single-type front prunes at their bounds: with the
     throughput, path and coupled floors alone, with the batch floor too (whole micro-batches,
-    layers and GPUs: ``provision_batch``), then with the fewest-stages spot bound; and those
+    layers and GPUs: ``provision_batch``; the floors coupled size by size), then with the
+    fewest-stages spot bound and the type-aware batch floor (``provision_mixbatch``); and those
     whose time bound is below the fastest single-type point (no front point can prune them:
     they must be planned, or a tighter time bound found). CPU seconds of each step."""
     from dataclasses import replace as dc_replace
@@ -267,9 +268,9 @@ def default_market_mix_bounds(console: Console) -> None:
     fastest = min(p.time_to_train_s for p in points)
     table = Table(title="Default market, spot mixes, GPT-3 1.3B: what the proven bounds decide")
     for col in ("mixes", "no plan can finish", "bounded", "live: throughput, path, coupled",
-                "live: + batch floor", "live: + stage bound",
+                "live: + batch floor", "live: + stage bound, type-aware batch floor",
                 "live with time bound < fastest single", "singles CPU s",
-                "bounds CPU s (without / with batch)", "stage bound CPU s"):  # fmt: skip
+                "bounds CPU s (without / with batch)", "stage + type-aware CPU s"):  # fmt: skip
         table.add_column(col)
     table.add_row(
         f"{grid.t_lb.size + impossible:,}", f"{impossible:,}", f"{grid.t_lb.size:,}",

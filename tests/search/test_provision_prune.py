@@ -133,7 +133,7 @@ def test_bounds_made_too_tight_lose_a_front_point(monkeypatch):
     model = load_model(MODEL)
     want = _pareto(_brute_force(market))
     floor = prov.iteration_floor_s
-    monkeypatch.setattr(prov, "iteration_floor_s", lambda *a: 1.2 * floor(*a))
+    monkeypatch.setattr(prov, "iteration_floor_s", lambda *a, **k: 1.2 * floor(*a, **k))
     got = prov.provision(model, market, TOKENS, BATCH, "fp16", spot=True, mixes=True)
     assert not _same(_front(got), want)
     missing = [g for g, _, _ in want if g not in [p.gpus for p in got.front]]

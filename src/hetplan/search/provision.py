@@ -230,8 +230,11 @@ def _single_type(job: _Job, offer: Offer, points: list[Point]) -> tuple[int, int
     _count(job.impossible, "max_gpus", offer.max_nodes - max(most, 0))
     # the iteration floor of every count at once (one array: its multipliers computed once)
     counts = np.arange(max(most, 0) + 1) * offer.gpus_per_node
-    it_lbs = np.maximum(iteration_floor_s(model, global_batch, [floor], [counts]),
-                        batch_floor_s(model, global_batch, [floor], counts))  # fmt: skip
+    it_lbs = np.maximum(
+        iteration_floor_s(model, global_batch, [floor], [counts], per_size=True),
+        batch_floor_s(model, global_batch, [floor], counts, per_size=True),
+    )
+    it_lbs = it_lbs.min(axis=0)  # one micro-batch size per plan: the larger floor at each
     for nodes in range(most, 0, -1):
         load = offer_load(offer, nodes, terms)
         # a floor of every plan's checkpoint time (checkpoint_floor_s): one of the slowdown
@@ -320,6 +323,7 @@ def _mix_grid(
     refusal), counted by reason in ``job.impossible``. ``batch``: with the batch floor
     (``provision_batch``; False only to count what it prunes)."""
     from hetplan.search.heterogeneous import _state_floor_bytes
+    from hetplan.search.provision_stages import mix_iteration_floor_s
 
     model, spot = job.model, job.spot
     pairs: list[tuple[Offer, Offer]] = []
@@ -363,11 +367,12 @@ def _mix_grid(
             ok[ok] = fits
             xs, ys = np.nonzero(ok)  # the iteration floor only where a plan could finish
             slow_ok = np.broadcast_to(slow, total.shape)[xs, ys]
-            it_lb = iteration_floor_s(model, job.global_batch, [fa, fb], [ga[xs, 0], gb[0, ys]])
-            if batch:  # whole micro-batches, layers and GPUs
-                it_lb = np.maximum(
-                    it_lb, batch_floor_s(model, job.global_batch, [fa, fb], ga[xs, 0] + gb[0, ys])
-                )
+            if batch:  # whole micro-batches, layers and GPUs, size by size
+                it_lb = mix_iteration_floor_s(model, job.global_batch, (fa, fb), ga[xs, 0],
+                                              gb[0, ys], aware=False)  # fmt: skip
+            else:
+                it_lb = iteration_floor_s(model, job.global_batch, [fa, fb],
+                                          [ga[xs, 0], gb[0, ys]])  # fmt: skip
             t_lb = _iterations(job) * it_lb * slow_ok
             fin = np.isfinite(t_lb)  # a rate of zero: no plan (never for a GPU type sold)
             _count(job.impossible, "compute", int((~fin).sum()))
@@ -409,8 +414,12 @@ def _mixes(
     cache = SearchCache(model, params)  # mixes of the same offers share their class tables
     live = np.arange(grid.t_lb.size)
     planned = pruned = 0
-    if spot and prune and live.size:  # the survivors of the single types' front, tightened
-        _tighten_spot(job, grid, pairs, live[_front_cost(grid.t_lb, points) > grid.c_lb])
+    if prune and live.size:  # the survivors of the single types' front, tightened
+        survivors = live[_front_cost(grid.t_lb, points) > grid.c_lb]
+        if spot:
+            _tighten_spot(job, grid, pairs, survivors)
+        else:
+            _tighten_mixes(job, grid, pairs, survivors)
     while live.size:
         t_lb, c_lb = grid.t_lb[live], grid.c_lb[live]
         front = _front_cost(t_lb, points)
@@ -469,6 +478,27 @@ def _tighten_spot(
         na, nb = grid.na[sel].astype(int), grid.nb[sel].astype(int)
         t = mix_time_floor_s(job.model, job.global_batch, _iterations(job), job.terms, (a, b),
                              (_floor(job, a), _floor(job, b)), na, nb)  # fmt: skip
+        grid.t_lb[sel] = np.maximum(grid.t_lb[sel], t)
+        grid.c_lb[sel] = grid.t_lb[sel] / 3600 * grid.usd_hour[sel]
+
+
+def _tighten_mixes(
+    job: _Job, grid: _MixGrid, pairs: list[tuple[Offer, Offer]], idx: np.ndarray
+) -> None:
+    """Raises the bounds of mixes ``idx`` to the type-aware batch floor (each GPU at its own
+    type's times, ``provision_mixbatch``): costlier than the first bound, so only where that
+    leaves them live."""
+    from hetplan.search.provision_stages import mix_iteration_floor_s
+
+    for k, (a, b) in enumerate(pairs):
+        sel = idx[grid.pair[idx] == k]
+        if not sel.size:
+            continue
+        ga = grid.na[sel].astype(int) * a.gpus_per_node
+        gb = grid.nb[sel].astype(int) * b.gpus_per_node
+        it = mix_iteration_floor_s(job.model, job.global_batch, (_floor(job, a), _floor(job, b)),
+                                   ga, gb)  # fmt: skip
+        t = _iterations(job) * it * grid.slow[sel]
         grid.t_lb[sel] = np.maximum(grid.t_lb[sel], t)
         grid.c_lb[sel] = grid.t_lb[sel] / 3600 * grid.usd_hour[sel]
 

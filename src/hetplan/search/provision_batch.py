@@ -103,13 +103,7 @@ def least_gpus(
     a layer's backward at ``tps[k]`` taking ``drain.times[k]`` and each stage's
     ``drain.fixed``; a stage holds ``drain.loose`` units beyond the layers that fit (the
     embedding's and the head's whole-layer units, whose backward is not counted)."""
-    slot = (stage_s[..., None] - fixed) / times * (1 + _SLACK) + _SLACK
-    caps = np.clip(np.floor(slot), 0, layers if most is None else most)
-    if drain is not None:
-        with np.errstate(invalid="ignore"):
-            back = (drain.budget_s[..., None] - drain.fixed) / drain.times * (1 + _SLACK)
-        back = np.where(drain.budget_s[..., None] >= drain.fixed, back + _SLACK, -1.0)
-        caps = np.minimum(caps, np.where(back >= 0, np.floor(back) + drain.loose, 0.0))
+    caps = stage_caps(layers, times, fixed, stage_s, most, drain)
     with np.errstate(divide="ignore", invalid="ignore"):
         a = np.where(caps > 0, tps / caps, np.inf)  # GPUs per layer at each degree
         b = np.where(caps > 0, times + fixed / caps, np.inf)  # path per layer
@@ -125,6 +119,28 @@ def least_gpus(
             g = np.where(ok, x * af + (layers - x) * as_, np.inf)
             best = np.minimum(best, g)
     return best
+
+
+def stage_caps(
+    layers: float,
+    times: np.ndarray,
+    fixed: float | np.ndarray,
+    stage_s: np.ndarray,
+    most: float | None = None,
+    drain: Drain | None = None,
+) -> np.ndarray:
+    """Returns the most whole layers (shape ``stage_s.shape + times.shape``) one stage holds
+    at each degree (``least_gpus``'s caps): within ``stage_s`` seconds per micro-batch with
+    ``fixed`` seconds besides, at most ``most`` (default ``layers``), and with ``drain`` its
+    backward within the drain's budget (plus its loose units)."""
+    slot = (stage_s[..., None] - fixed) / times * (1 + _SLACK) + _SLACK
+    caps = np.clip(np.floor(slot), 0, layers if most is None else most)
+    if drain is not None:
+        with np.errstate(invalid="ignore"):
+            back = (drain.budget_s[..., None] - drain.fixed) / drain.times * (1 + _SLACK)
+        back = np.where(drain.budget_s[..., None] >= drain.fixed, back + _SLACK, -1.0)
+        caps = np.minimum(caps, np.where(back >= 0, np.floor(back) + drain.loose, 0.0))
+    return np.asarray(caps)
 
 
 @dataclass(frozen=True)
@@ -335,12 +351,15 @@ def batch_floor_s(
     floors: list[TypeFloor],
     gpus: np.ndarray,
     stages: int = 1,
+    per_size: bool = False,
 ) -> np.ndarray:
     """Returns the floor of the iteration time (module docstring) of every plan on ``gpus``
     GPUs in all (a numpy array of counts) of the types ``floors``, whose every pipeline has
-    at least ``stages`` stages; inf where there is no GPU."""
+    at least ``stages`` stages; inf where there is no GPU. ``per_size``: the floor at each
+    micro-batch size (stacked on a first axis) instead of their least."""
     total = np.asarray(gpus, dtype=float)
     best = np.full(total.shape, np.inf)
+    sizes: list[np.ndarray] = []
     key = tuple(floors)
     for i, size in enumerate(floors[0].micro_batches):
         grid, kappa = _table(model, global_batch, key, i, stages)
@@ -348,5 +367,7 @@ def batch_floor_s(
         # the first grid time whose need the count meets; the floor is the one before it
         first = np.searchsorted(-need, -total * (1 + _SLACK), side="left")
         at = np.where(first > 0, grid[np.clip(first - 1, 0, grid.size - 1)], grid[0])
-        best = np.minimum(best, np.where(total > 0, at, np.inf))
-    return best
+        at = np.where(total > 0, at, np.inf)
+        sizes.append(at)
+        best = np.minimum(best, at)
+    return np.stack(sizes) if per_size else best

@@ -195,6 +195,7 @@ def iteration_floor_s(
     floors: list[TypeFloor],
     gpus: list[np.ndarray],
     stages: int = 1,
+    per_size: bool = False,
 ) -> np.ndarray:
     """Returns the lower bound of the iteration time for every count combination:
     ``gpus[i]`` holds the GPU counts of type ``floors[i]`` (numpy arrays that broadcast), of
@@ -210,9 +211,13 @@ def iteration_floor_s(
     the iteration T; times its rate and summed over the devices, T x (sum of rates) >= all
     FLOPs + sum of m_r x rate x fixed, and the pipelines' m_r sum to global / micro-batch
     (each pipeline has a device), so the second term is at least that many times the least
-    rate x fixed of the types."""
+    rate x fixed of the types.
+
+    ``per_size``: the bound at each size instead (stacked on a first axis, in the order of
+    ``micro_batches``), for callers that couple it with other floors size by size."""
     flops = global_batch * model.model_flops_per_sequence()
     best: np.ndarray | None = None
+    sizes: list[np.ndarray] = []
     for i in range(len(floors[0].micro_batches)):
         rate = sum(f.rate_flops[i] * g for f, g in zip(floors, gpus, strict=True))
         m = global_batch // floors[0].micro_batches[i]
@@ -221,9 +226,10 @@ def iteration_floor_s(
             at = np.maximum((flops + fixed_work) / np.asarray(rate, dtype=float),
                             path_floor_s(model, floors, i, stages))  # fmt: skip
             at = np.maximum(at, coupled_floor_s(model, m, floors, i, rate, stages))
+        sizes.append(at)
         best = at if best is None else np.minimum(best, at)
     assert best is not None
-    return best
+    return np.stack(sizes) if per_size else best
 
 
 Line = tuple[float, float]

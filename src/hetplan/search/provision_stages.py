@@ -6,7 +6,9 @@ stages, each stage's shards all on each of its nodes, so some node holds at leas
 state over p (``spot.checkpoint_floor_s``). Every stage pays its fixed costs per
 micro-batch (``estimate.stage_times``), so plans whose pipelines all have at least p stages
 take at least the iteration floor with p stages' fixed costs on each micro-batch's path
-and in each pipeline's device-seconds (``provision_bounds.iteration_floor_s``).
+and in each pipeline's device-seconds (``provision_bounds.iteration_floor_s``), and the
+batch floors with at least p stages per pipeline (``provision_batch``; type-aware:
+``provision_mixbatch``).
 
 Let p* be the fewest stages of any pipeline of a plan: its time to train is at least the
 iteration floor with p* stages x the slowdown's floor at C's floor for p*. The first grows
@@ -28,6 +30,7 @@ from hetplan.market import Offer
 from hetplan.model import ModelSpec
 from hetplan.search.provision_batch import batch_floor_s
 from hetplan.search.provision_bounds import TypeFloor, iteration_floor_s
+from hetplan.search.provision_mixbatch import mix_batch_floor_s
 from hetplan.search.spot import SpotTerms, checkpoint_floor_s, mixed_load, offer_load, slowdowns
 
 GRID = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 48, 64, 96, 128, 192, 256)
@@ -40,6 +43,30 @@ def stage_grid(model: ModelSpec) -> list[int]:
     sizes = shard_bytes(model).values()
     last = min(math.ceil(sum(sizes) / max(sizes)), len(sizes))
     return [g for g in GRID if g < last] + [last]
+
+
+def mix_iteration_floor_s(
+    model: ModelSpec,
+    global_batch: int,
+    floors: tuple[TypeFloor, TypeFloor],
+    ga: np.ndarray,
+    gb: np.ndarray,
+    stages: int = 1,
+    aware: bool = True,
+) -> np.ndarray:
+    """Returns the iteration floor of ``ga`` GPUs of type ``floors[0]`` with ``gb`` of
+    ``floors[1]``, every pipeline of at least ``stages`` stages: a plan has one micro-batch
+    size, so at each size the largest of the throughput, path and coupled floors
+    (``iteration_floor_s``), the batch floor (``batch_floor_s``) and, with ``aware``, the
+    type-aware batch floor (``mix_batch_floor_s``), and the least of that over the sizes."""
+    it = np.maximum(
+        iteration_floor_s(model, global_batch, list(floors), [ga, gb], stages, per_size=True),
+        batch_floor_s(model, global_batch, list(floors), ga + gb, stages, per_size=True),
+    )
+    if aware:
+        it = np.maximum(it, mix_batch_floor_s(model, global_batch, floors, ga, gb, stages,
+                                              per_size=True))  # fmt: skip
+    return np.asarray(it.min(axis=0))
 
 
 def mix_time_floor_s(
@@ -63,10 +90,7 @@ def mix_time_floor_s(
     grid = stage_grid(model)
     best = np.full(np.shape(na), np.inf)
     for k, g in enumerate(grid):
-        it = np.maximum(
-            iteration_floor_s(model, global_batch, list(floors), gpus, g),
-            batch_floor_s(model, global_batch, list(floors), gpus[0] + gpus[1], g),
-        )
+        it = mix_iteration_floor_s(model, global_batch, floors, gpus[0], gpus[1], g)
         # p* in [g, next): C's floor at next - 1 stages; past the last, any count of stages
         upper = grid[k + 1] - 1 if k + 1 < len(grid) else None
         slow = slowdowns(*load, terms, checkpoint_floor_s(model, na + nb, upper), True)
