@@ -262,7 +262,7 @@ def default_market_mix_bounds(console: Console) -> None:
     before = prov._front_cost(old.t_lb, points) > old.c_lb
     first = prov._front_cost(grid.t_lb, points) > grid.c_lb
     start = time.process_time()
-    prov._tighten_spot(job, grid, pairs, np.nonzero(first)[0])
+    prov._tighten(job, grid, pairs, np.nonzero(first)[0])
     stage_s = time.process_time() - start
     live = prov._front_cost(grid.t_lb, points) > grid.c_lb
     fastest = min(p.time_to_train_s for p in points)

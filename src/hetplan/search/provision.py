@@ -33,6 +33,7 @@ from hetplan.search.homogeneous_scoring import SearchMemo
 from hetplan.search.progress import ProgressHook, SearchProgress
 from hetplan.search.provision_batch import batch_floor_s
 from hetplan.search.provision_bounds import TypeFloor, iteration_floor_s, type_floor
+from hetplan.search.provision_stages import mix_iteration_floor_s, mix_time_floor_s
 from hetplan.search.spot import (
     SpotTerms,
     checkpoint_floor_s,
@@ -323,7 +324,6 @@ def _mix_grid(
     refusal), counted by reason in ``job.impossible``. ``batch``: with the batch floor
     (``provision_batch``; False only to count what it prunes)."""
     from hetplan.search.heterogeneous import _state_floor_bytes
-    from hetplan.search.provision_stages import mix_iteration_floor_s
 
     model, spot = job.model, job.spot
     pairs: list[tuple[Offer, Offer]] = []
@@ -415,11 +415,7 @@ def _mixes(
     live = np.arange(grid.t_lb.size)
     planned = pruned = 0
     if prune and live.size:  # the survivors of the single types' front, tightened
-        survivors = live[_front_cost(grid.t_lb, points) > grid.c_lb]
-        if spot:
-            _tighten_spot(job, grid, pairs, survivors)
-        else:
-            _tighten_mixes(job, grid, pairs, survivors)
+        _tighten(job, grid, pairs, live[_front_cost(grid.t_lb, points) > grid.c_lb])
     while live.size:
         t_lb, c_lb = grid.t_lb[live], grid.c_lb[live]
         front = _front_cost(t_lb, points)
@@ -463,42 +459,24 @@ def _mixes(
     return planned, pruned, []
 
 
-def _tighten_spot(
-    job: _Job, grid: _MixGrid, pairs: list[tuple[Offer, Offer]], idx: np.ndarray
-) -> None:
-    """Raises the spot bounds of mixes ``idx`` to the bound over the fewest stages of any
-    pipeline (``provision_stages``): tighter, and costlier, so only where the first bound
-    leaves them live."""
-    from hetplan.search.provision_stages import mix_time_floor_s
-
+def _tighten(job: _Job, grid: _MixGrid, pairs: list[tuple[Offer, Offer]], idx: np.ndarray) -> None:
+    """Raises the bounds of mixes ``idx`` to the costlier floors, so only where the first
+    bound leaves them live: on spot, the bound over the fewest stages of any pipeline
+    (``provision_stages.mix_time_floor_s``, type-aware batch floor included); on demand, the
+    type-aware batch floor (each GPU at its own type's times, ``provision_mixbatch``)."""
     for k, (a, b) in enumerate(pairs):
         sel = idx[grid.pair[idx] == k]
         if not sel.size:
             continue
         na, nb = grid.na[sel].astype(int), grid.nb[sel].astype(int)
-        t = mix_time_floor_s(job.model, job.global_batch, _iterations(job), job.terms, (a, b),
-                             (_floor(job, a), _floor(job, b)), na, nb)  # fmt: skip
-        grid.t_lb[sel] = np.maximum(grid.t_lb[sel], t)
-        grid.c_lb[sel] = grid.t_lb[sel] / 3600 * grid.usd_hour[sel]
-
-
-def _tighten_mixes(
-    job: _Job, grid: _MixGrid, pairs: list[tuple[Offer, Offer]], idx: np.ndarray
-) -> None:
-    """Raises the bounds of mixes ``idx`` to the type-aware batch floor (each GPU at its own
-    type's times, ``provision_mixbatch``): costlier than the first bound, so only where that
-    leaves them live."""
-    from hetplan.search.provision_stages import mix_iteration_floor_s
-
-    for k, (a, b) in enumerate(pairs):
-        sel = idx[grid.pair[idx] == k]
-        if not sel.size:
-            continue
-        ga = grid.na[sel].astype(int) * a.gpus_per_node
-        gb = grid.nb[sel].astype(int) * b.gpus_per_node
-        it = mix_iteration_floor_s(job.model, job.global_batch, (_floor(job, a), _floor(job, b)),
-                                   ga, gb)  # fmt: skip
-        t = _iterations(job) * it * grid.slow[sel]
+        floors = (_floor(job, a), _floor(job, b))
+        if job.spot:
+            t = mix_time_floor_s(job.model, job.global_batch, _iterations(job), job.terms,
+                                 (a, b), floors, na, nb)  # fmt: skip
+        else:
+            it = mix_iteration_floor_s(job.model, job.global_batch, floors,
+                                       na * a.gpus_per_node, nb * b.gpus_per_node)  # fmt: skip
+            t = _iterations(job) * it * grid.slow[sel]
         grid.t_lb[sel] = np.maximum(grid.t_lb[sel], t)
         grid.c_lb[sel] = grid.t_lb[sel] / 3600 * grid.usd_hour[sel]
 
