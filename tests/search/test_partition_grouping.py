@@ -8,7 +8,12 @@ import numpy as np
 import pytest
 
 from hetplan.cluster import parse_inline_cluster
-from hetplan.search.grouping import MilpMemo, device_classes, select_pipelines
+from hetplan.search.grouping import (
+    MilpMemo,
+    device_classes,
+    identical_pipelines,
+    select_pipelines,
+)
 from hetplan.search.het_variants import pareto_rows
 from hetplan.search.partition import split_batch, split_time_s
 
@@ -120,3 +125,26 @@ def test_device_classes_split_by_links_and_groups_stay_in_nodes():
     groups = classes[0].groups(2)
     assert len(groups) == 4
     assert all(len({d.rpartition(":")[0] for d in g}) == 1 for g in groups)
+
+
+def test_identical_pipelines_by_hand():
+    # variant 0: one group of class 0, fill 1 s, 1 s per micro-batch; variant 1: one group
+    # of class 1, fill 2 s, 0.5 s; variant 2: a group of each, fill 0.5 s, 0.25 s.
+    # 2 and 4 groups, 8 micro-batches. Copies of 0: 2, 4 micro-batches each, 1 + 3 = 4 s;
+    # of 1: 4, 2 each, 2 + 0.5 = 2.5 s; of 2: 2, 4 each, 0.5 + 3 * 0.25 = 1.25 s
+    counts = np.array([[1, 0], [0, 1], [1, 1]])
+    fill, bott = np.array([1.0, 2.0, 0.5]), np.array([1.0, 0.5, 0.25])
+    avail = np.array([2, 4])
+    sel = identical_pipelines(counts, fill, bott, avail, 8, (1, 8))
+    assert sel is not None
+    assert sel.variants == (2, 2) and sel.micro_batches == (4, 4)
+    assert sel.time_s == pytest.approx(1.25)
+    # at least 3 pipelines: only variant 1 can be copied 3 times or more
+    sel = identical_pipelines(counts, fill, bott, avail, 8, (3, 8))
+    assert sel is not None and sel.variants == (1, 1, 1, 1)
+    assert sel.time_s == pytest.approx(2.5)
+    # at most 3: variant 1 three times, 3 + 3 + 2 micro-batches, 2 + 2 * 0.5 = 3 s
+    sel = identical_pipelines(counts, fill, bott, avail, 8, (3, 3))
+    assert sel is not None and sorted(sel.micro_batches) == [2, 3, 3]
+    assert sel.time_s == pytest.approx(3.0)
+    assert identical_pipelines(counts, fill, bott, avail, 8, (5, 8)) is None

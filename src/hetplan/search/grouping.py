@@ -191,6 +191,48 @@ def _realise(
 Rows = tuple[NDArray[np.int64], NDArray[np.float64], NDArray[np.float64]]
 
 
+def identical_pipelines(
+    counts: NDArray[np.int64],
+    fill_s: NDArray[np.float64],
+    bottleneck_s: NDArray[np.float64],
+    avail: NDArray[np.int64],
+    total_micro: int,
+    num_pipelines: tuple[int, int],
+    steps: NDArray[np.int64] | None = None,
+) -> Selection | None:
+    """Returns the fastest selection of copies of one variant (as many as fit, within
+    ``num_pipelines``), or None when no variant fits that often.
+
+    ``select_pipelines`` minimises the slowest pipeline alone; replicas of different
+    shapes then synchronise their gradients segment by segment across unlike stage
+    boundaries, which ``estimate`` prices and the selection cannot see. Identical replicas
+    synchronise stage by stage, so this is offered next to the selection's answer.
+
+    k copies share the micro-batches as evenly as their steps allow (``split_batch``'s
+    answer for equal pipelines): the slowest runs ceil(units / k) steps of micro-batches."""
+    cnt = np.asarray(counts, dtype=np.int64)
+    fill = np.asarray(fill_s, dtype=float)
+    bott = np.asarray(bottleneck_s, dtype=float)
+    avl = np.asarray(avail, dtype=np.int64)
+    lo_n, hi_n = max(num_pipelines[0], 1), min(num_pipelines[1], total_micro)
+    if len(cnt) == 0 or lo_n > hi_n:
+        return None
+    step = np.ones(len(cnt), dtype=np.int64) if steps is None else np.asarray(steps, np.int64)
+    used = cnt > 0
+    room = np.where(used, avl[None, :] // np.maximum(cnt, 1), np.iinfo(np.int64).max)
+    units = total_micro // step
+    k = np.minimum(np.minimum(room.min(axis=1), hi_n), units)
+    ok = np.any(used, axis=1) & (k >= lo_n) & (total_micro % step == 0)
+    if not np.any(ok):
+        return None
+    most = -(-units // np.maximum(k, 1)) * step  # ceil(units / k) steps
+    t = np.where(ok, fill + (most - 1) * bott, np.inf)
+    v = int(np.argmin(t))
+    kv, uv, sv = int(k[v]), int(units[v]), int(step[v])
+    share = [(uv // kv + (1 if i < uv % kv else 0)) * sv for i in range(kv)]
+    return Selection((v,) * kv, tuple(share), float(t[v]))
+
+
 def select_pipelines(
     counts: NDArray[np.int64],
     fill_s: NDArray[np.float64],

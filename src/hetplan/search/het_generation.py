@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from hetplan.plan import RECOMPUTE
-from hetplan.search.grouping import MilpMemo, select_pipelines
+from hetplan.search.grouping import MilpMemo, identical_pipelines, select_pipelines
 from hetplan.search.het_pool import CandidatePool
 from hetplan.search.het_space import dp_bands, schedule_options, tp_configs
 from hetplan.search.het_tables import ClassTable, Knobs, cap_positions, per_layer_floor_s
@@ -323,10 +323,24 @@ class SearchState(CandidatePool):
                     var.counts, var.fill, var.bott, avail, total_micro, (lo, hi), 1e-2,
                     self.cutoff_s, self.memo, var.bound, var.slack_s, steps, bsteps,
                 )  # fmt: skip
-                if sel is None:
+                if sel is None:  # none beats the best estimate, identical replicas neither
                     continue
-                for replica_major in (True, False):
-                    plan = build_plan(
-                        tables, templates, var.keys, sel, knobs, self.global_batch, replica_major
-                    )
-                    self.offer_twins(plan)
+                same = identical_pipelines(
+                    var.counts, var.fill, var.bott, avail, total_micro, (lo, hi), steps
+                )
+                picks = [sel]
+                # offered only where its proven floor (table fills less the most they
+                # exceed the replay's bound) could beat the best estimate
+                if (
+                    same is not None
+                    and same.variants != sel.variants
+                    and same.time_s - var.slack_s < self.cutoff_s
+                ):
+                    picks.append(same)
+                for pick in picks:
+                    for replica_major in (True, False):
+                        plan = build_plan(
+                            tables, templates, var.keys, pick, knobs, self.global_batch,
+                            replica_major,
+                        )  # fmt: skip
+                        self.offer_twins(plan)
