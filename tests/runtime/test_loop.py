@@ -292,3 +292,21 @@ def test_data_convert_bytes_and_refusals(tmp_path: Path) -> None:
                    "--tokenizer", str(text))  # fmt: skip
         assert res.returncode == 2 and "'tokenizers' package" in res.stderr
         assert not (tmp_path / "u.bin").exists()
+
+
+def test_overlaps_the_runtime_does_not_run_are_named() -> None:
+    from dataclasses import replace
+
+    from hetplan.plan import Pipeline, Plan, Stage
+    from hetplan.runtime.cli import overlap_notes
+
+    def plan(pipes: list[list[tuple[str, ...]]], **fields: Any) -> Plan:
+        pipelines = tuple(Pipeline(4, tuple(Stage(2, d) for d in st)) for st in pipes)
+        return Plan(8 * len(pipes) // 2, 2, pipelines, **fields)
+
+    dp2 = plan([[("h:0",)], [("h:1",)]], overlap_grad_reduce=True)
+    assert [n.split(":")[0] for n in overlap_notes(dp2)] == ["overlap_grad_reduce"]
+    assert overlap_notes(replace(dp2, overlap_grad_reduce=False)) == []
+    # one replica reduces nothing; TP 2 with the TP overlap asked for
+    tp2 = plan([[("h:0", "h:1")]], overlap_grad_reduce=True, overlap_tp_comm=True)
+    assert [n.split(":")[0] for n in overlap_notes(tp2)] == ["overlap_tp_comm"]

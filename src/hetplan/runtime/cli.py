@@ -38,6 +38,23 @@ def predicted(plan: Any, model: Any, cluster: Any, db: Path | None) -> Any:
     return estimate(ran, model, cluster, profile=profile)
 
 
+def overlap_notes(plan: Any) -> list[str]:
+    """Returns one line per overlap the plan asks for that this runtime does not run (the
+    run goes on without it, and the prediction it reports is made without it)."""
+    notes = []
+    if plan.overlap_grad_reduce and plan.dp > 1:
+        notes.append(
+            "overlap_grad_reduce: this runtime reduces gradients after the backward; "
+            "run and prediction are without the overlap"
+        )
+    if plan.overlap_tp_comm and any(s.tp > 1 for p in plan.pipelines for s in p.stages):
+        notes.append(
+            "overlap_tp_comm: this runtime does not overlap TP collectives with the matmuls; "
+            "run and prediction are without the overlap"
+        )
+    return notes
+
+
 def launch(
     plan: Annotated[Path, typer.Argument(help="Plan file (JSON).")],
     model: Annotated[str, typer.Option("--model", help="Catalog name or config.json.")],
@@ -171,6 +188,9 @@ def launch(
     console = Console(stderr=as_json)
     est = predicted(checked.plan, checked.model, checked.cluster, db)
     pred_step, source = est.iteration_time_s, est.compute_source
+    notes = overlap_notes(checked.plan)
+    for note in notes:
+        console.print(f"note: {note}", highlight=False)
     multi = len(checked.nodes) > 1
     if nnodes is not None and nnodes != len(checked.nodes):
         raise InputError("--nnodes", f"the plan uses {len(checked.nodes)} nodes, not {nnodes}")
@@ -198,6 +218,7 @@ def launch(
     record["predicted_tokens_per_s"] = est.tokens_per_s
     record["predicted_peak_memory_bytes"] = est.peak_memory_bytes
     record["compute_source"] = source
+    record["notes"] = notes
     if as_json:
         typer.echo(json.dumps(record))
         return
