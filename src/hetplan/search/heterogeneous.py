@@ -18,8 +18,9 @@ Plans are found two ways and ranked one way:
   best estimate: pipeline templates and their layer splits (partition.py, from the
   ``stage_times`` of every class) and the pipeline-selection MILP (grouping.py) per band
   of data-parallel degrees, next to the fastest copies of one pipeline (identical
-  replicas sync stage by stage, which the MILP does not see), with memory caps of ZeRO-1, or of ZeRO-2/3 at the best
-  settings; each plan then with every ZeRO stage and chunk count it allows (its "twins");
+  replicas sync stage by stage, which the MILP does not see), with memory caps of ZeRO-1,
+  or of ZeRO-2/3 at the best settings; each plan then with every ZeRO stage and chunk
+  count it allows (its "twins");
 * enumeration (where the space is small enough for a work budget): every pipeline,
   split, selection, batch share, ZeRO stage and placement whose proven lower bound beats
   the best estimate so far. When it completes, the first plan is the best of the whole
