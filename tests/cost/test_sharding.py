@@ -4,7 +4,8 @@
 import pytest
 
 from hetplan.cluster import parse_inline_cluster
-from hetplan.cost.estimate import estimate, sharded_microbatch_s
+from hetplan.cost.dp_sync import sharded_microbatch_s
+from hetplan.cost.estimate import estimate
 from hetplan.cost.params import CostParams, GPUEfficiency
 from hetplan.cost.sharding import bucket_count, exposed_sync_s, zero3_exposed_s
 from hetplan.model import ModelSpec

@@ -14,7 +14,8 @@ hand:
 import pytest
 
 from hetplan.cluster import parse_inline_cluster
-from hetplan.cost.estimate import estimate, sync_layout
+from hetplan.cost.dp_sync import sync_layout
+from hetplan.cost.estimate import estimate
 from hetplan.cost.params import CostParams, GPUEfficiency
 from hetplan.model import load_model
 from hetplan.search.layout import uniform_plan

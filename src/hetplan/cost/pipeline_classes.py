@@ -71,3 +71,19 @@ def pipeline_classes(
         key = tuple(sig)
         out.append(first_of.setdefault(key, r))
     return out
+
+
+def pipeline_talkers(plan: Plan, node_of: Any) -> dict[str, int]:
+    """Returns, per node, how many of its devices exchange pipeline activations or gradients
+    with a stage on another node (they send at about the same time, over the node's link)."""
+    devs: dict[str, set[str]] = {}
+    wrap = plan.virtual_stages > 1  # interleaved chunks also pass from the last stage to the first
+    for pipe in plan.pipelines:
+        p = len(pipe.stages)
+        for j in range(p if wrap else p - 1):
+            a, b = pipe.stages[j], pipe.stages[(j + 1) % p]
+            na, nb = node_of(a.devices[0]).name, node_of(b.devices[0]).name
+            if na != nb and p > 1:
+                devs.setdefault(na, set()).update(a.devices)
+                devs.setdefault(nb, set()).update(b.devices)
+    return {k: len(v) for k, v in devs.items()}

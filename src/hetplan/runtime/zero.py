@@ -8,12 +8,12 @@ all-reduce of the working buffer in place, whose slice is the shard (``ZeroBucke
 says why).
 
 - ZeRO-1 keeps the whole gradient buffer and reduce-scatters it once per step, after the
-  last micro-batch (``cost.estimate.grad_sync_times``: a reduce-scatter of fp32 gradients
+  last micro-batch (``cost.dp_sync.grad_sync_times``: a reduce-scatter of fp32 gradients
   and an all-gather of the parameters, each priced from the profile's measured figures of
   that kind); the shard is the buffer's own slice.
 - ZeRO-2 without pipelining reduce-scatters each micro-batch's gradients as soon as this
   rank's backward of that micro-batch has produced all of them
-  (``cost.estimate.sharded_microbatch_s``), asynchronously: the next micro-batch's backward
+  (``cost.dp_sync.sharded_microbatch_s``), asynchronously: the next micro-batch's backward
   reuses the buffer if it has completed, else takes a fresh one (never waits inside the
   backward). Only the gradient shard outlives the step; the working buffers are freed
   after it. A member of a replica with fewer micro-batches than another adds zeros for the

@@ -13,9 +13,10 @@ from __future__ import annotations
 
 from hetplan.cluster import Cluster, Node
 from hetplan.cost import comm
-from hetplan.cost.estimate import StageKey, p2p_wait_s, part_split, pipeline_talkers, stage_times
+from hetplan.cost.estimate import StageKey, p2p_wait_s, part_split, stage_times
 from hetplan.cost.memory import held_chunks, stage_activation_bytes, stage_params, stage_state
 from hetplan.cost.params import CostParams
+from hetplan.cost.pipeline_classes import pipeline_talkers
 from hetplan.cost.schedule import EXACT_ACTION_LIMIT, held_layers, peak_in_flight, replay
 from hetplan.cost.sharding import deferred_sync
 from hetplan.model import ModelSpec

@@ -10,15 +10,8 @@ from dataclasses import dataclass, field, replace
 
 from hetplan.chunk_layout import lightened_chunks
 from hetplan.cluster import Cluster, Node
-from hetplan.cost.estimate import (
-    StageKey,
-    SyncLayout,
-    chunk_split,
-    grad_sync_times,
-    part_split,
-    stage_times,
-    sync_layout,
-)
+from hetplan.cost.dp_sync import SyncLayout, grad_sync_times, sync_layout
+from hetplan.cost.estimate import StageKey, chunk_split, part_split, stage_times
 from hetplan.cost.memory import (
     combine_activation_bytes,
     held_chunks,

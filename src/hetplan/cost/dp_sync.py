@@ -1,0 +1,243 @@
+"""Data-parallel traffic of a plan, as ``estimate`` prices it: who reduces gradients with
+whom (``sync_layout``: layer segments shared by replicas, their holders and the nodes of
+each group), the once-a-step gradient sync per segment (``grad_sync_times``), and ZeRO-2/3's
+per-micro-batch collectives (``sharded_microbatch_s``; the schedules in ``cost.sharding``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from itertools import pairwise
+from typing import Any
+
+from hetplan.cluster import Node
+from hetplan.cost import comm
+from hetplan.cost.memory import edge_params, stage_params
+from hetplan.cost.params import CostParams
+from hetplan.cost.pipeline_classes import pipeline_classes, pipeline_talkers
+from hetplan.cost.sharding import bucket_count, deferred_sync, exposed_sync_s, zero3_exposed_s
+from hetplan.model import ModelSpec
+from hetplan.plan import Plan, element_bytes
+
+
+def sharded_microbatch_s(
+    plan: Plan,
+    model: ModelSpec,
+    layers: int,
+    tp: int,
+    first: bool,
+    last: bool,
+    single: bool,
+    group: list[Node],
+    params: CostParams,
+    concurrency: dict[str, int],
+    forward_s: float,
+    backward_s: float,
+) -> tuple[float, float]:
+    """Returns ZeRO-2/3's exposed collective time per micro-batch of a stage and, for
+    ZeRO-2, the parameter all-gather after the optimizer step (see ``cost.sharding``).
+
+    ``group``: the nodes of the stage's data-parallel group; ``forward_s``/``backward_s``:
+    the stage's per-micro-batch forward and backward-side compute they can hide under."""
+    if plan.zero_stage < 2 or len(group) <= 1 or deferred_sync(plan):
+        return 0.0, 0.0
+    e = element_bytes(plan.precision)
+    total = stage_params(model, layers, tp, first, last, single)
+    share = params.gpu(group[0].gpu.name).grad_overlap
+
+    def gather(n: float) -> float:  # all-gather of n parameters
+        return comm.group_allgather_s(n * e, group, params, concurrency)
+
+    def scatter(n: float) -> float:  # reduce-scatter of n parameters' gradients
+        return comm.group_reduce_scatter_s(n * GRAD_BYTES, group, params, concurrency)
+
+    if plan.zero_stage == 3:
+        # the layers only: embedding and head sync once a step (``grad_sync_times``)
+        per_layer = model.layer_params() / tp
+        lz = measured_zero3_layer(plan, model, tp, group, params)
+        if lz is not None:
+            return layers * (lz.forward_s + lz.backward_s), 0.0
+        g, r = layers * gather(per_layer), layers * scatter(per_layer)
+        return zero3_exposed_s(g, r, layers, forward_s, backward_s, share), 0.0
+    buckets = bucket_count(total, len(group))
+    r = buckets * scatter(total / buckets)
+    exposed = exposed_sync_s(r, backward_s, share, plan.overlap_grad_reduce, buckets)
+    return exposed, gather(total)
+
+
+def measured_zero3_layer(
+    plan: Plan, model: ModelSpec, tp: int, group: list[Node], params: CostParams
+) -> Any:
+    """Returns one layer's ZeRO-3 cost as a profile (``hetplan profile --links``) measured
+    it over a group of this size and GPU type, overlap included (forward: its all-gather;
+    backward: another all-gather and its reduce-scatter), or None."""
+    if len({n.gpu.name for n in group}) != 1:
+        return None
+    part = f"zero3_comm_dp{len(group)}"
+    return params.compute.ask(
+        "part_times", group[0].gpu, model, part, tp, plan.micro_batch_size, plan.precision
+    )
+
+
+def _sync_groups(plan: Plan, model: ModelSpec) -> list[tuple[float, list[tuple[int, int]]]]:
+    """Returns [(parameters, [(pipeline, stage), ...])] per layer segment shared by replicas."""
+    # pipelines with the same stage boundaries hold a segment at the same stage
+    kinds: dict[tuple[tuple[int, int], ...], list[int]] = {}
+    for r, pipe in enumerate(plan.pipelines):
+        kinds.setdefault(tuple(pipe.layer_ranges()), []).append(r)
+    bounds = {0, model.layers}
+    for ranges in kinds:
+        for a, _ in ranges:
+            bounds.add(a)
+    cuts = sorted(bounds)
+    out = []
+    for a, b in pairwise(cuts):
+        stage_of = [0] * plan.dp
+        holds = [False] * plan.dp
+        for ranges, rs in kinds.items():
+            for j, (x, y) in enumerate(ranges):
+                if x <= a < y:
+                    for r in rs:
+                        stage_of[r], holds[r] = j, True
+        holders = [(r, stage_of[r]) for r in range(plan.dp) if holds[r]]
+        # memory's count: a segment of the whole model is held by single-stage replicas
+        # only, where a tied head is the embedding's table (one tensor, synced once)
+        first, last = a == 0, b == model.layers
+        params = stage_params(model, b - a, 1, first, last, first and last)
+        out.append((float(params), holders))
+    return out
+
+
+@dataclass
+class SyncLayout:
+    """Who reduces gradients with whom: per layer segment shared by replicas, its
+    parameters and holders (pipeline, stage), and per tensor-parallel rank the nodes of the
+    group's members; how many devices of each node talk across nodes at once; and per stage
+    the members of its (largest) data-parallel group."""
+
+    groups: list[tuple[float, list[tuple[int, int]]]]
+    members: list[list[list[Node]]]
+    concurrency: dict[str, int]
+    dp_members: dict[tuple[int, int], list[Node]]
+    edge_params: list[float] = field(default_factory=list)
+    """Per segment, the embedding and head parameters in it (ZeRO-3 syncs them once a step)."""
+    classes: dict[bool, tuple[Any, ...]] = field(default_factory=dict, repr=False)
+    """``layout_classes``' memo: per interleaving, (pipelines, talkers, pipeline classes)."""
+
+
+def layout_classes(
+    plan: Plan, layout: SyncLayout, node_of: Any
+) -> tuple[dict[str, int], list[int]]:
+    """Returns the plan's ``pipeline_talkers`` and ``pipeline_classes``, memoised in its
+    layout for the same pipelines (searches estimate many knob settings of one layout)."""
+    key = plan.virtual_stages > 1
+    hit = layout.classes.get(key)
+    if hit is not None and hit[0] is plan.pipelines:
+        return hit[1], hit[2]
+    talkers = pipeline_talkers(plan, node_of)
+    classes = pipeline_classes(plan, node_of, talkers, layout.dp_members)
+    layout.classes[key] = (plan.pipelines, talkers, classes)
+    return talkers, classes
+
+
+def sync_layout(plan: Plan, model: ModelSpec, node_of: Any) -> SyncLayout:
+    """Returns the data-parallel layout of ``plan`` (``node_of``: device name -> Node)."""
+    groups = _sync_groups(plan, model) if plan.dp > 1 else []
+    group_members: list[list[list[Node]]] = []
+    one_node: dict[tuple[int, int], bool] = {}  # a stage's TP group on one node
+    for _, holders in groups:
+        tps = [plan.pipelines[r].stages[j].tp for r, j in holders]
+        tp_min = min(tps)
+        for r, j in holders:
+            if (r, j) not in one_node:
+                devs = plan.pipelines[r].stages[j].devices
+                name = devs[0].rpartition(":")[0]
+                one_node[(r, j)] = all(d.rpartition(":")[0] == name for d in devs)
+        same = all(one_node[h] for h in holders)  # then every rank sees the same nodes
+        per_rank: list[list[Node]] = []
+        for i in range(tp_min):
+            if same and per_rank:
+                per_rank.append(per_rank[0])
+                continue
+            per_rank.append([node_of(plan.pipelines[r].stages[j].devices[i]) for r, j in holders])
+        group_members.append(per_rank)
+    crossing: dict[str, set[str]] = {}
+    for (_, holders), per_rank in zip(groups, group_members, strict=True):
+        for i, members in enumerate(per_rank):
+            if len({n.name for n in members}) > 1:
+                for r, j in holders:
+                    dev = plan.pipelines[r].stages[j].devices[i]
+                    crossing.setdefault(dev.rpartition(":")[0], set()).add(dev)
+    concurrency = {k: len(v_) for k, v_ in crossing.items()}
+    dp_members: dict[tuple[int, int], list[Node]] = {}
+    for (_, holders), per_rank in zip(groups, group_members, strict=True):
+        for h in holders:
+            if per_rank and len(per_rank[0]) > len(dp_members.get(h, [])):
+                dp_members[h] = per_rank[0]
+    edges = [0.0] * len(groups)  # segments in layer order: the embedding's first
+    if groups:  # one segment: single-stage replicas, a tied table counted once (memory's)
+        single = len(groups) == 1
+        edges[0] += edge_params(model, 1, True, single, single)
+        if not single:
+            edges[-1] += edge_params(model, 1, False, True, False)
+    return SyncLayout(groups, group_members, concurrency, dp_members, edge_params=edges)
+
+
+GRAD_BYTES = 4.0
+"""Gradients are reduced in fp32. (fp16 runs of DeepSpeed and 2021 Megatron reduce fp16
+gradients by default; AMP's T4 trials, the fp16 runs with data parallelism in the shipped
+data, are ranked better with fp32 volumes, so 4 bytes stays.)"""
+
+
+def grad_sync_times(
+    layout: SyncLayout, plan: Plan, params: CostParams, model: ModelSpec | None = None
+) -> list[float]:
+    """Returns, per layer segment of ``layout``, the time of its gradient sync once per
+    step: an all-reduce of the fp32 gradients; under ZeRO-1, and ZeRO-2/3 deferred by
+    pipelining to ZeRO-1's once a step (``deferred_sync``), a reduce-scatter of the fp32
+    gradients and an all-gather of the updated parameters in the plan's precision (ring
+    volumes: 4/8 + e/8 of the fp32 all-reduce); zero where one replica holds it, and under
+    ZeRO-2 otherwise, which reduces every micro-batch (``sharded_microbatch_s``). ZeRO-3
+    shards the layers per micro-batch, but its embedding and head stay whole and sync as
+    ZeRO-1's, once a step, as the runtime runs them (``runtime/fsdp.py``). Deferred ZeRO-3
+    layers gather and reduce-scatter once a step with FSDP: where a profile measured a
+    layer's ZeRO-3 cost (``model`` given), its backward's (one gather, one reduce-scatter)
+    per layer and step."""
+    out = []
+    deferred = deferred_sync(plan)
+    zero3 = plan.zero_stage == 3 and not deferred
+    sharded = plan.zero_stage == 1 or deferred or zero3
+    e = element_bytes(plan.precision)
+    for k, ((n_params, holders), per_rank) in enumerate(
+        zip(layout.groups, layout.members, strict=True)
+    ):
+        if zero3:
+            n_params = layout.edge_params[k]
+        if len(holders) <= 1 or n_params <= 0 or (plan.zero_stage == 2 and not deferred):
+            out.append(0.0)
+            continue
+        tp_min = len(per_rank)
+        n = n_params / tp_min
+        conc = layout.concurrency
+        times: dict[int, float] = {}  # ranks on the same nodes share one list: once each
+        for members in per_rank:
+            if id(members) in times:
+                continue
+            lz = None
+            if deferred and plan.zero_stage == 3 and model is not None:
+                lz = measured_zero3_layer(plan, model, tp_min, members, params)
+            if lz is not None:  # the layers as FSDP runs them, the rest as ZeRO-1
+                edge = layout.edge_params[k]
+                layers = round((n_params - edge) / model.layer_params()) if model else 0
+                t = layers * lz.backward_s
+                if edge > 0:
+                    t += comm.group_reduce_scatter_s(edge / tp_min * GRAD_BYTES, members,
+                                                     params, conc)  # fmt: skip
+                    t += comm.group_allgather_s(edge / tp_min * e, members, params, conc)
+            elif sharded:
+                t = comm.group_reduce_scatter_s(n * GRAD_BYTES, members, params, conc)
+                t += comm.group_allgather_s(n * e, members, params, conc)
+            else:
+                t = comm.group_allreduce_s(n * GRAD_BYTES, members, params, conc)
+            times[id(members)] = t
+        out.append(max(times.values()))
+    return out
