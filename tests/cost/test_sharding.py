@@ -114,8 +114,12 @@ def test_zero2_reduce_scatters_every_micro_batch_and_gathers_after_the_step():
     est = estimate(plan, model, cluster, params)
     m = 8  # 64 sequences over 8 replicas, micro-batch 1
     st = est.stages[0]
-    assert st.zero_comm_s == pytest.approx(exposed)
-    assert est.breakdown["sharded_dp_comm_s"] == pytest.approx(m * exposed + after)
+    # and per micro-batch the fp32 buffer cleared (4 B a parameter) and 1/8 of it summed
+    # into the step's shard (two reads, one write: 12 B over 8), at HBM x mem_efficiency
+    mem = node.gpu.hbm_bytes_per_s * params.gpu(node.gpu.name).mem_efficiency
+    buffer = total * (4 + 12 / 8) / mem
+    assert st.zero_comm_s == pytest.approx(exposed + buffer)
+    assert est.breakdown["sharded_dp_comm_s"] == pytest.approx(m * (exposed + buffer) + after)
 
 
 def test_pipeline_sends_share_the_node_link_among_all_senders():
@@ -180,3 +184,15 @@ def test_zero3_replicas_with_unequal_micro_batches_sync_once_a_step():
         want = (2 + 4 + 12 / 2 + 4 / 2) * p
         assert st.memory.weights + st.memory.grads + st.memory.optimizer == pytest.approx(want)
         assert sum(state_bytes(p, "bf16", 3, 2, deferred=True)) == pytest.approx(want)
+
+
+def test_zero2_buffer_work_by_hand():
+    from hetplan.cost.dp_sync import zero2_buffer_s
+    from hetplan.hardware import GPUType
+
+    gpu = GPUType("X", 80e9, 1e15, 1e15, 1e14, 2e12, 1e11, 1e10)
+    eff = GPUEfficiency(mem_efficiency=0.5)
+    # 1e9 fp32 gradients among 4 members: the buffer cleared (4 GB written) and a 1 GB
+    # shard summed into the step's (two 1 GB reads, one write): 7 GB at 1 TB/s
+    assert zero2_buffer_s(1e9, 4, gpu, eff) == pytest.approx(7e-3)
+    assert zero2_buffer_s(1e9, 1, gpu, eff) == 0.0  # one member reduces nothing

@@ -11,10 +11,12 @@ from typing import Any
 
 from hetplan.cluster import Node
 from hetplan.cost import comm
+from hetplan.cost.compute import elementwise_bytes_per_s
 from hetplan.cost.memory import edge_params, stage_params
-from hetplan.cost.params import CostParams
+from hetplan.cost.params import CostParams, GPUEfficiency
 from hetplan.cost.pipeline_classes import pipeline_classes, pipeline_talkers
 from hetplan.cost.sharding import bucket_count, deferred_sync, exposed_sync_s, zero3_exposed_s
+from hetplan.hardware import GPUType
 from hetplan.model import ModelSpec
 from hetplan.plan import Plan, element_bytes
 
@@ -62,6 +64,18 @@ def sharded_microbatch_s(
     r = buckets * scatter(total / buckets)
     exposed = exposed_sync_s(r, backward_s, share, plan.overlap_grad_reduce, buckets)
     return exposed, gather(total)
+
+
+def zero2_buffer_s(p_local: float, dp: int, gpu: GPUType, eff: GPUEfficiency) -> float:
+    """Returns ZeRO-2's memory work per micro-batch on a device holding ``p_local``
+    parameters among ``dp`` members: its fp32 gradient buffer cleared for the next
+    micro-batch (one write of the buffer) and the micro-batch's reduced shard added to the
+    step's (two shard reads, one write). Memory-bound, on the device's own type; the
+    runtime's ``zero.ZeroBucket`` does exactly this (DeepSpeed's ZeRO-2 copies each
+    micro-batch's gradients into its reduction bucket instead: the same volume)."""
+    if p_local <= 0 or dp <= 1:
+        return 0.0
+    return p_local * GRAD_BYTES * (1.0 + 3.0 / dp) / elementwise_bytes_per_s(gpu, eff)
 
 
 def measured_zero3_layer(

@@ -14,6 +14,7 @@ from hetplan.cost.dp_sync import (
     layout_classes,
     sharded_microbatch_s,
     sync_layout,
+    zero2_buffer_s,
 )
 from hetplan.cost.memory import (
     MemoryBreakdown,
@@ -59,7 +60,8 @@ class StageEstimate:
     """Fixed per-micro-batch cost (all chunks, forward and backward), inside forward_s and
     backward_s."""
     zero_comm_s: float = 0.0
-    """ZeRO-2/3 collectives per micro-batch not hidden behind its compute."""
+    """ZeRO-2/3 collectives per micro-batch not hidden behind its compute (ZeRO-2: with
+    its gradient buffer's memory work, ``dp_sync.zero2_buffer_s``)."""
     param_gather_s: float = 0.0
     """ZeRO-2: all-gather of the updated parameter shards after the optimizer step."""
     compute_source: str = "analytical"
@@ -459,6 +461,9 @@ def estimate(
                         concurrency, fwd, bwd + rc + tpc,
                     )  # fmt: skip
                 zero_mb, param_gather = gather_memo[gkey]
+                if plan.zero_stage == 2:
+                    eff = params.gpu(node.gpu.name)
+                    zero_mb += zero2_buffer_s(p_local, len(group), node.gpu, eff)
             act = plan.micro_batch_size * model.seq * model.hidden * element_bytes(plan.precision)
             nxt = nodes[(j + 1) % p]
             if p > 1:  # every device of a node sending across nodes shares its link
