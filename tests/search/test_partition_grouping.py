@@ -148,3 +148,15 @@ def test_identical_pipelines_by_hand():
     assert sel is not None and sorted(sel.micro_batches) == [2, 3, 3]
     assert sel.time_s == pytest.approx(3.0)
     assert identical_pipelines(counts, fill, bott, avail, 8, (5, 8)) is None
+    # interleaved pipelines run a multiple of their stages: variant 1 in steps of 3 cannot
+    # split 8 micro-batches, and only it fits 3 times
+    steps = np.array([2, 3, 4])
+    assert identical_pipelines(counts, fill, bott, avail, 8, (3, 8), steps) is None
+    # steps of 2, 3, 8: variant 0 twice, 4 each: 1 + 3 = 4 s; variant 2 once (one step of
+    # 8 cannot be shared): 0.5 + 7 * 0.25 = 2.25 s
+    sel = identical_pipelines(counts, fill, bott, avail, 8, (1, 8), np.array([2, 3, 8]))
+    assert sel is not None and sel.variants == (2,) and sel.micro_batches == (8,)
+    assert sel.time_s == pytest.approx(2.25)
+    # steps of 2, 3, 4: variant 2 twice, 4 each: 1.25 s
+    sel = identical_pipelines(counts, fill, bott, avail, 8, (1, 8), steps)
+    assert sel is not None and sel.variants == (2, 2) and sel.micro_batches == (4, 4)
