@@ -11,7 +11,6 @@ import pytest
 
 from hetplan.cluster import Cluster
 from hetplan.cost.params import default_params
-from hetplan.market import market_from_dict
 from hetplan.model import load_model
 from hetplan.search.heterogeneous import search_heterogeneous
 from hetplan.search.homogeneous import search_homogeneous
@@ -27,24 +26,8 @@ from hetplan.search.provision_mixbatch import (
 )
 from hetplan.search.provision_stages import mix_iteration_floor_s
 
-MARKET = market_from_dict(
-    {
-        "offers": [
-            {"gpu": "A100-80GB", "gpus_per_node": 4, "max_nodes": 3,
-             "on_demand_usd_per_gpu_hour": 3.43},
-            {"gpu": "T4", "gpus_per_node": 2, "max_nodes": 4, "on_demand_usd_per_gpu_hour": 0.53},
-            {"gpu": "V100-32GB", "gpus_per_node": 4, "max_nodes": 2,
-             "on_demand_usd_per_gpu_hour": 0.9},
-        ]
-    }
-)  # fmt: skip
-
-
-def _offer(gpu, per, nodes):
-    return market_from_dict(
-        {"offers": [{"gpu": gpu, "gpus_per_node": per, "max_nodes": nodes,
-                     "on_demand_usd_per_gpu_hour": 1.0}]}
-    ).offers[0]  # fmt: skip
+from .conftest import MIX_MARKET as MARKET
+from .conftest import one_offer as _offer
 
 
 def _floor(model, offer, batch):

@@ -208,8 +208,9 @@ def identical_pipelines(
     boundaries, which ``estimate`` prices and the selection cannot see. Identical replicas
     synchronise stage by stage, so this is offered next to the selection's answer.
 
-    k copies share the micro-batches as evenly as their steps allow (``split_batch``'s
-    answer for equal pipelines): the slowest runs ceil(units / k) steps of micro-batches."""
+    k copies share the micro-batches as evenly as their steps allow: the slowest runs
+    ceil(units / k) steps of micro-batches, which picks the variant; ``split_batch`` then
+    makes the split."""
     cnt = np.asarray(counts, dtype=np.int64)
     fill = np.asarray(fill_s, dtype=float)
     bott = np.asarray(bottleneck_s, dtype=float)
@@ -228,9 +229,9 @@ def identical_pipelines(
     most = -(-units // np.maximum(k, 1)) * step  # ceil(units / k) steps
     t = np.where(ok, fill + (most - 1) * bott, np.inf)
     v = int(np.argmin(t))
-    kv, uv, sv = int(k[v]), int(units[v]), int(step[v])
-    share = [(uv // kv + (1 if i < uv % kv else 0)) * sv for i in range(kv)]
-    return Selection((v,) * kv, tuple(share), float(t[v]))
+    x = np.zeros(len(cnt), dtype=np.int64)
+    x[v] = k[v]
+    return _realise(x, fill, bott, total_micro, None if steps is None else step)
 
 
 def select_pipelines(
