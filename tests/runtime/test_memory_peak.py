@@ -49,3 +49,20 @@ def test_one_stage_peak_is_one_micro_batch(
     peaks = run_local(cfg)["peak_memory_bytes"]
     for device in ("host:0", "host:1"):  # two micro-batches each, run one after the other
         assert peaks[device] == pytest.approx(static + one_mb, rel=0.02)
+
+
+def test_meter_counts_only_its_hooked_steps() -> None:
+    """With ``hooked_steps=1`` the second step's larger activations go uncounted (its
+    hooks are off), while a meter without the limit counts them: one (4, 8) float32 saved
+    by ``x * x`` is 128 bytes, one (8, 8) is 256."""
+    from hetplan.runtime.memory_meter import MemoryMeter
+
+    w = torch.nn.Parameter(torch.ones(8))
+    for hooked, peak in ((1, 4 * 8 * 4), (0, 8 * 8 * 4)):
+        meter = MemoryMeter(torch.device("cpu"), [w], hooked_steps=hooked)
+        for rows in (4, 8):
+            x = torch.full((rows, 8), 2.0, requires_grad=True)
+            with meter.step():
+                y = x * x  # saves x (twice: one storage, counted once)
+            y.sum().backward()
+        assert meter.peak_saved == peak

@@ -114,7 +114,10 @@ class Trainer:
             self.device,
             deferred=deferred_sync(plan),  # pipelined ZeRO-2 as the cost model prices it
         )
-        self.meter = MemoryMeter(self.device, [lp.param for lp in self.params])
+        # activations counted in the warm-up steps (at least the first): the timed ones
+        # run without the meter's hooks
+        hooked = max(cfg.warmup_steps, 1)
+        self.meter = MemoryMeter(self.device, [lp.param for lp in self.params], hooked)
         self.step, self.position = 0, 0
         self.elastic: Any = None
         if cfg.local_dir:
