@@ -197,6 +197,9 @@ def _describe(links: dict[str, tuple[float, float] | None]) -> str:
         if fig is not None:
             step = " per step" if kind != "p2p" else ""
             out.append(f"{name} {fig[0] * 1e6:.0f} us{step} + {fig[1] / 1e9:.2f} GB/s")
+    one = links.get("scalar")
+    if one is not None:
+        out.append(f"one number {one[0] * 1e6:.0f} us per tree step")
     over = links.get("pipeline")
     if over is not None:
         out.append(f"pipelining {over[0] * 1e6:.0f} us/action")

@@ -102,3 +102,16 @@ def test_measured_allgather_and_reduce_scatter_figures(tmp_path):
     assert comm.group_reduce_scatter_s(size, [node] * 2, params) == pytest.approx(0.001 + 5e6 / 2e7)
     with pytest.raises(ValueError):
         comm.intra_node_half_s(size, 2, node, params, "broadcast")
+
+
+def test_scalar_allreduce_is_tree_latency():
+    """One number over 8 GPUs on each of 5 nodes: a binary tree of depth 3 inside the node
+    (reduce up, broadcast down: 6 steps) and of depth ceil(log2 5) = 3 across nodes (6
+    steps), latency only: 6 x 10 us + 6 x 30 us = 240 us. One node of 2: two steps."""
+    params = CostParams(intra_latency_s=10e-6, inter_latency_s=30e-6)
+    nodes = parse_inline_cluster("A100-80GB:5x8").nodes
+    assert [comm.tree_steps(n) for n in (1, 2, 3, 4, 5, 8, 9)] == [0, 2, 4, 4, 6, 6, 8]
+    assert comm.scalar_allreduce_s(nodes, 8, params) == pytest.approx(240e-6)
+    assert comm.scalar_allreduce_s(nodes[:1], 2, params) == pytest.approx(20e-6)
+    assert comm.scalar_allreduce_s(nodes[:1], 1, params) == 0.0
+    assert comm.scalar_allreduce_s(nodes[:2], 1, params) == pytest.approx(60e-6)

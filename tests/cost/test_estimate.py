@@ -17,6 +17,7 @@ PARTS = (
     "pipeline_bubble_s",
     "data_parallel_sync_s",
     "optimizer_s",
+    "step_collectives_s",
 )
 
 
@@ -172,3 +173,18 @@ def test_breakdown_table_rows_add_up_to_the_iteration_with_zero3():
             assert rows["sharded dp comm"] == 0.0
         if pp == 1:
             assert rows["pipeline bubble"] == pytest.approx(0.0, abs=1e-4)
+
+
+def test_each_step_all_reduces_two_numbers_over_every_device():
+    """The gradient norm and the loss: two all-reduces of one number over the plan's 16
+    devices on 2 nodes, each a tree of 6 steps inside a node and 2 between:
+    2 x (6 x 10 us + 2 x 30 us) = 240 us, part of the iteration."""
+    from hetplan.cost.params import CostParams
+
+    model = load_model("gpt3-1.3b")
+    cl = parse_inline_cluster("A100-80GB:2x8")
+    plan = uniform_plan(cl, model.layers, 2, 1, 8, 1, 64, precision="bf16")
+    params = CostParams(intra_latency_s=10e-6, inter_latency_s=30e-6)
+    est = estimate(plan, model, cl, params)
+    assert est.breakdown["step_collectives_s"] == pytest.approx(240e-6)
+    assert sum(est.breakdown[k] for k in PARTS) == pytest.approx(est.iteration_time_s)

@@ -8,6 +8,7 @@ is shared by every device of the node that communicates across nodes at the same
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Sequence
 
@@ -152,6 +153,33 @@ def _group_half_s(
     if len({m.name for m in members}) == 1:
         return intra_node_half_s(size_bytes, n, members[0], params, kind)
     return group_allreduce_s(size_bytes, members, params, node_concurrency, 0.5)
+
+
+def tree_steps(n: int) -> int:
+    """Returns the latency steps of an all-reduce of a few bytes among ``n`` members over a
+    binary tree (reduce up, broadcast down; NCCL's choice for small messages): 2 ceil(log2 n).
+    A ring of two takes the same two steps."""
+    return 2 * math.ceil(math.log2(n)) if n > 1 else 0
+
+
+def scalar_allreduce_s(nodes: Sequence[Node], per_node: int, params: CostParams) -> float:
+    """Returns the time of an all-reduce of one number (a loss, a gradient norm) among
+    ``per_node`` devices on each of ``nodes``: latency only, ``tree_steps`` inside a node at
+    the profile's measured step (``scalar`` link) or the intra-node latency, then between
+    the nodes at the network latency."""
+    if not nodes:
+        return 0.0
+    inside = 0.0
+    if per_node > 1:
+        steps = tree_steps(per_node)
+        for node in {id(n.gpu): n for n in nodes}.values():
+            own = params.compute.ask("link_figures", node.gpu, "scalar")
+            step = own[0] if own is not None else params.intra_latency_of(node.gpu.name)
+            inside = max(inside, steps * step)
+    between = 0.0
+    if len(nodes) > 1:
+        between = tree_steps(len(nodes)) * max(params.inter_latency_of(n.gpu.name) for n in nodes)
+    return inside + between
 
 
 def p2p_s(

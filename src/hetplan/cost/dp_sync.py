@@ -5,6 +5,7 @@ per-micro-batch collectives (``sharded_microbatch_s``; the schedules in ``cost.s
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 from itertools import pairwise
 from typing import Any
@@ -134,6 +135,9 @@ class SyncLayout:
     dp_members: dict[tuple[int, int], list[Node]]
     edge_params: list[float] = field(default_factory=list)
     """Per segment, the embedding and head parameters in it (ZeRO-3 syncs them once a step)."""
+    spread: tuple[list[Node], int] = field(default_factory=lambda: ([], 0))
+    """The nodes the plan's devices are on and the most devices it uses on one of them
+    (the step's all-reduces of one number span them all: ``comm.scalar_allreduce_s``)."""
     classes: dict[bool, tuple[Any, ...]] = field(default_factory=dict, repr=False)
     """``layout_classes``' memo: per interleaving, (pipelines, talkers, pipeline classes)."""
 
@@ -193,7 +197,18 @@ def sync_layout(plan: Plan, model: ModelSpec, node_of: Any) -> SyncLayout:
         edges[0] += edge_params(model, 1, True, single, single)
         if not single:
             edges[-1] += edge_params(model, 1, False, True, False)
-    return SyncLayout(groups, group_members, concurrency, dp_members, edge_params=edges)
+    per_node: Counter[str] = Counter()
+    first_dev: dict[str, str] = {}  # per node name, a device on it
+    for pipe in plan.pipelines:
+        for st in pipe.stages:
+            for d in st.devices:
+                name = d.rpartition(":")[0]
+                per_node[name] += 1
+                first_dev.setdefault(name, d)
+    spread = ([node_of(d) for d in first_dev.values()], max(per_node.values(), default=0))
+    return SyncLayout(
+        groups, group_members, concurrency, dp_members, edge_params=edges, spread=spread
+    )
 
 
 GRAD_BYTES = 4.0

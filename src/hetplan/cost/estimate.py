@@ -100,6 +100,7 @@ ITERATION_TERMS = (
     "pipeline_bubble_s",
     "data_parallel_sync_s",
     "optimizer_s",
+    "step_collectives_s",
 )
 """The breakdown's terms that add up to the iteration time of the critical stage; the
 other keys (per-micro-batch send, total gradient sync, micro-batch overhead) describe
@@ -599,11 +600,14 @@ def estimate(
             sync_s[h] = sync_s.get(h, 0.0) + t
             exposed_s[h] = exposed_s.get(h, 0.0) + exposed
             ready[h] = max(ready.get(h, 0.0), end)
+    # every step all-reduces two numbers over all devices, each rank waiting for it: the
+    # gradient norm for clipping (before the optimizer) and the loss
+    scalar = 2.0 * comm.scalar_allreduce_s(*layout.spread, params)
     for st in stages:
         key2 = (st.pipeline, st.stage)
         st.grad_sync_s = sync_s.get(key2, 0.0)
         st.sync_end_s = max(st.last_backward_end_s, ready.get(key2, 0.0) + exposed_s.get(key2, 0))
-        st.end_s = st.sync_end_s + st.optimizer_s + st.param_gather_s
+        st.end_s = st.sync_end_s + st.optimizer_s + st.param_gather_s + scalar
 
     crit = max(stages, key=lambda s: s.end_s)
     iteration = crit.end_s
@@ -623,6 +627,7 @@ def estimate(
         "data_parallel_sync_s": crit.sync_end_s - crit.last_backward_end_s,
         "data_parallel_sync_total_s": crit.grad_sync_s,
         "optimizer_s": crit.optimizer_s,
+        "step_collectives_s": scalar,
         "microbatch_overhead_s": n_mb * crit.overhead_s,
     }
     tokens = plan.global_batch_size * model.seq

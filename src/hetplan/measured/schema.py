@@ -150,12 +150,13 @@ def is_part(name: str) -> bool:
 
 OPTIMIZER_PARTS = ("layer", "embed", "head")
 """Pieces whose optimizer step is stored: one transformer layer, the embedding, the head."""
-LINKS = ("p2p", "allreduce", "pipeline", "allgather", "reduce_scatter")
+LINKS = ("p2p", "allreduce", "pipeline", "allgather", "reduce_scatter", "scalar")
 """Measured link figures: point-to-point (one-way latency, bytes/s), ring all-reduce of a
 gradient buffer as the runtime syncs one (latency per ring step, bus bytes/s), the
-pipelining runtime's overhead per action (latency), and ZeRO's all-gather of the
+pipelining runtime's overhead per action (latency), ZeRO's all-gather of the
 parameters and reduce-scatter of the gradients as the runtime issues them (latency per
-ring step, bus bytes/s; profiles without them price both as half an all-reduce)."""
+ring step, bus bytes/s; profiles without them price both as half an all-reduce), and the
+all-reduce of one number (a loss, a gradient norm: latency per tree step, bytes/s 0)."""
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from hetplan.cost.comm import tree_steps
 from hetplan.cost.compute import LayerTimes
 from hetplan.measured.profile_db import ProfileDB
 from hetplan.model import ModelSpec
@@ -246,6 +247,8 @@ def _links_worker(rank: int, world: int, init: str, job: dict, out: str) -> None
         )
         p2p = [_p2p(rank, s, reps) for s in P2P_SIZES]
         ar = [_timed(partial(_grad_allreduce, _pieces(s)), reps) for s in ALLREDUCE_SIZES]
+        one = torch.zeros(1, dtype=torch.float64)  # a loss or a gradient norm, as the runtime
+        scalar = _timed(partial(dist.all_reduce, one), reps)
         whole = dist.new_group(list(range(world)))
         ag, rs = zip(*(_zero_collectives(s, whole, reps) for s in ALLREDUCE_SIZES), strict=True)
         pipe = _pipeline_overhead(model, min(job["micro_batches"]), rank, world, reps)
@@ -268,6 +271,7 @@ def _links_worker(rank: int, world: int, init: str, job: dict, out: str) -> None
             zero3[str(mb)] = [t.forward_s, t.backward_s]
         if rank == 0:
             res = {"p2p": p2p, "allreduce": ar, "pipeline": pipe, "tp_comm": comm, **compute}
+            res["scalar"] = scalar
             res.update({"allgather": list(ag), "reduce_scatter": list(rs)})
             res.update({"tp_comm_sp": comm_sp, "zero3": zero3})
             Path(out).write_text(json.dumps(res))
@@ -287,9 +291,9 @@ def profile_links(
     reps: int = 5,
 ) -> dict[str, Any]:
     """Measures gloo point-to-point, all-reduce, ZeRO's all-gather and reduce-scatter, the
-    pipelining overhead and each TP degree's layer collectives between local processes
-    (``threads`` each) and stores them; returns rank 0's measurements, with its compute
-    measurements (see measure_compute)."""
+    all-reduce of one number, the pipelining overhead and each TP degree's layer
+    collectives between local processes (``threads`` each) and stores them; returns rank
+    0's measurements, with its compute measurements (see measure_compute)."""
     import json
     import tempfile
     from pathlib import Path
@@ -311,6 +315,7 @@ def profile_links(
     n = world
     ring = ring_figures(*fit_alpha_beta(sizes, res["allreduce"]), 2 * (n - 1), 2 * (n - 1) / n)
     figures = {"p2p": p2p, "allreduce": ring, "pipeline": (float(res["pipeline"]), 0.0)}
+    figures["scalar"] = (float(res["scalar"]) / tree_steps(n), 0.0)  # per tree step
     for kind in ("allgather", "reduce_scatter"):
         figures[kind] = ring_figures(*fit_alpha_beta(sizes, res[kind]), n - 1, (n - 1) / n)
     for kind, (latency, bps) in figures.items():
