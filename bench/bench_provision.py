@@ -18,7 +18,8 @@ from rich.table import Table
 
 from hetplan.market import load_market, market_from_dict
 from hetplan.model import load_model
-from hetplan.search.provision import gpus_label, provision
+from hetplan.search.provision import provision
+from hetplan.search.provision_points import gpus_label
 
 TYPES = [
     ("A100-80GB", 8, 3.43),
@@ -239,32 +240,35 @@ def default_market_mix_bounds(console: Console) -> None:
 
     from hetplan.cost.params import default_params
     from hetplan.search import provision as prov
+    from hetplan.search import provision_mixes as mixes_mod
+    from hetplan.search import provision_points as pts
     from hetplan.search.constraints import PlanConstraints
     from hetplan.search.spot import SpotTerms
 
     model = load_model("gpt3-1.3b")
     terms = dc_replace(SpotTerms(), state_bytes=12.0 * model.total_params())
-    job = prov._Job(model, 20e9, model.default_global_batch, "fp16", True, default_params(),
-                    terms, True, True, PlanConstraints(), pricing="spot")  # fmt: skip
+    job = pts.ProvisionJob(model, 20e9, model.default_global_batch, "fp16", True,
+                           default_params(), terms, True, True, PlanConstraints(),
+                           pricing="spot")  # fmt: skip
     offers = [o for o in load_market(None).offers if o.has_price("spot")]
-    offers.sort(key=lambda o: o.price("spot") / max(prov._floor(job, o).rate_flops))
+    offers.sort(key=lambda o: o.price("spot") / max(pts.offer_floor(job, o).rate_flops))
     start = time.process_time()
-    points: list[prov.Point] = []
+    points: list[pts.Point] = []
     for offer in offers:
         prov._single_type(job, offer, points)
     singles_s = time.process_time() - start
     start = time.process_time()
-    old, _, _ = prov._mix_grid(job, offers, batch=False)
+    old, _, _ = mixes_mod.mix_grid(job, offers, batch=False)
     old_s = time.process_time() - start
     start = time.process_time()
-    grid, pairs, impossible = prov._mix_grid(job, offers)
+    grid, pairs, impossible = mixes_mod.mix_grid(job, offers)
     grid_s = time.process_time() - start
-    before = prov._front_cost(old.t_lb, points) > old.c_lb
-    first = prov._front_cost(grid.t_lb, points) > grid.c_lb
+    before = pts.front_cost(old.t_lb, points) > old.c_lb
+    first = pts.front_cost(grid.t_lb, points) > grid.c_lb
     start = time.process_time()
-    prov._tighten(job, grid, pairs, np.nonzero(first)[0])
+    mixes_mod.tighten(job, grid, pairs, np.nonzero(first)[0])
     stage_s = time.process_time() - start
-    live = prov._front_cost(grid.t_lb, points) > grid.c_lb
+    live = pts.front_cost(grid.t_lb, points) > grid.c_lb
     fastest = min(p.time_to_train_s for p in points)
     table = Table(title="Default market, spot mixes, GPT-3 1.3B: what the proven bounds decide")
     for col in ("mixes", "no plan can finish", "bounded", "live: throughput, path, coupled",

@@ -63,7 +63,7 @@ def test_explain_command_is_compact_unless_expanded(tmp_path):
 def test_provisioning_json_writes_repeated_pipelines_once():
     from hetplan.plan import plan_from_dict
     from hetplan.report.pareto import point_json
-    from hetplan.search.provision import Point
+    from hetplan.search.provision_points import Point
 
     cluster = parse_inline_cluster("A100-80GB:16x8")
     plan = uniform_plan(cluster, 8, 2, 2, 32, 1, 64)  # 32 identical pipelines

@@ -5,7 +5,8 @@ import pytest
 from hetplan.errors import InputError
 from hetplan.market import load_market, market_from_dict
 from hetplan.model import load_model
-from hetplan.search.provision import Point, pareto_front, provision_single_type
+from hetplan.search.provision import provision_single_type
+from hetplan.search.provision_points import Point, pareto_front
 from hetplan.search.spot import SpotTerms, spot_slowdown
 
 

@@ -10,9 +10,12 @@ import numpy as np
 import pytest
 
 from hetplan.cluster import Cluster
+from hetplan.cost.params import default_params
 from hetplan.market import market_from_dict
 from hetplan.model import load_model
 from hetplan.search import provision as prov
+from hetplan.search import provision_mixes as mixes_mod
+from hetplan.search import provision_points as pts
 from hetplan.search.heterogeneous import search_heterogeneous
 from hetplan.search.homogeneous import search_homogeneous
 from hetplan.search.provision_stages import mix_time_floor_s, stage_grid
@@ -99,10 +102,10 @@ def test_spot_mixes_front_and_bounds_against_brute_force(offers):
     assert _same(_front(got), want)
     assert got.planned + got.pruned + got.impossible == len(rows)
     # every mix's proven bounds lie below what its plan reaches (time and cost)
-    job = prov._Job(model, TOKENS, BATCH, "fp16", True, prov.default_params(),
-                    SpotTerms(state_bytes=12.0 * model.total_params()), True, True,
-                    pricing="spot")  # fmt: skip
-    grid, pairs, impossible = prov._mix_grid(job, list(market.offers))
+    job = pts.ProvisionJob(model, TOKENS, BATCH, "fp16", True, default_params(),
+                           SpotTerms(state_bytes=12.0 * model.total_params()), True, True,
+                           pricing="spot")  # fmt: skip
+    grid, pairs, impossible = mixes_mod.mix_grid(job, list(market.offers))
     assert impossible == 0 and grid.t_lb.size == sum(len(g) == 2 for g, _, _ in rows)
     reached = {tuple(sorted(g.items())): (t, c) for g, t, c in rows if len(g) == 2}
     for q in range(grid.t_lb.size):
@@ -114,8 +117,8 @@ def test_spot_mixes_front_and_bounds_against_brute_force(offers):
         assert grid.c_lb[q] <= c * (1 + 1e-12)
         # the bound over the fewest stages of any pipeline, at least the first and below t
         na, nb = np.array([grid.na[q]]).astype(int), np.array([grid.nb[q]]).astype(int)
-        floors = (prov._floor(job, a), prov._floor(job, b))
-        tight = float(mix_time_floor_s(model, BATCH, prov._iterations(job), job.terms, (a, b),
+        floors = (pts.offer_floor(job, a), pts.offer_floor(job, b))
+        tight = float(mix_time_floor_s(model, BATCH, pts.iterations(job), job.terms, (a, b),
                                        floors, na, nb)[0])  # fmt: skip
         assert tight >= grid.t_lb[q] * (1 - 1e-12)
         assert tight <= t * (1 + 1e-12)
@@ -198,12 +201,12 @@ def test_stage_grid_and_the_stage_bound_tighten_where_nodes_are_many():
     ]})  # fmt: skip
     a, b = market.offers
     terms = SpotTerms(state_bytes=12.0 * model.total_params())
-    job = prov._Job(model, TOKENS, BATCH, "fp16", True, prov.default_params(), terms, True,
-                    True, pricing="spot")  # fmt: skip
-    grid, _, _ = prov._mix_grid(job, [a, b])
+    job = pts.ProvisionJob(model, TOKENS, BATCH, "fp16", True, default_params(), terms,
+                           True, True, pricing="spot")  # fmt: skip
+    grid, _, _ = mixes_mod.mix_grid(job, [a, b])
     q = int(np.nonzero((grid.na == 8) & (grid.nb == 1))[0][0])
-    floors = (prov._floor(job, a), prov._floor(job, b))
-    tight = float(mix_time_floor_s(model, BATCH, prov._iterations(job), terms, (a, b), floors,
+    floors = (pts.offer_floor(job, a), pts.offer_floor(job, b))
+    tight = float(mix_time_floor_s(model, BATCH, pts.iterations(job), terms, (a, b), floors,
                                    np.array([8]), np.array([1]))[0])  # fmt: skip
     assert tight > 1.02 * grid.t_lb[q]
     cluster = Cluster(a.cluster(8, "spot").nodes + b.cluster(1, "spot").nodes)

@@ -9,7 +9,8 @@ from rich.table import Table
 
 from hetplan.cluster import Cluster
 from hetplan.plan import Plan
-from hetplan.search.provision import Constraints, Point, ProvisionResult, gpus_label
+from hetplan.search.provision import Constraints, ProvisionResult
+from hetplan.search.provision_points import Point, gpus_label
 
 
 def point_json(p: Point) -> dict[str, Any]:

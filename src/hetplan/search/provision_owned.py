@@ -25,18 +25,18 @@ from hetplan.market import Offer
 from hetplan.plan import Plan
 from hetplan.search.constraints import homogeneous_space
 from hetplan.search.het_cache import SearchCache
-from hetplan.search.provision import (
-    PROVISION_SPACE,
-    Point,
-    _dominated,
-    _floor,
-    _front_cost,
-    _iterations,
-    _Job,
-    gpus_label,
-)
+from hetplan.search.provision import PROVISION_SPACE
 from hetplan.search.provision_batch import batch_floor_s
 from hetplan.search.provision_bounds import TypeFloor, iteration_floor_s, type_floor
+from hetplan.search.provision_points import (
+    Point,
+    ProvisionJob,
+    dominated,
+    front_cost,
+    gpus_label,
+    iterations,
+    offer_floor,
+)
 from hetplan.search.spot import checkpoint_floor_s, checkpoint_time_s, offer_load, slowdowns
 
 
@@ -50,7 +50,7 @@ def owned_usd_per_hour(owned: Cluster) -> float:
 
 
 def _plan(
-    job: _Job, cluster: Cluster, cache: SearchCache | None = None
+    job: ProvisionJob, cluster: Cluster, cache: SearchCache | None = None
 ) -> tuple[Plan, Estimate] | None:
     from hetplan.search.heterogeneous import search_heterogeneous
     from hetplan.search.homogeneous import search_homogeneous
@@ -110,7 +110,7 @@ def _gpus_by_type(cluster: Cluster) -> dict[str, int]:
 
 
 def owned_first(
-    job: _Job, owned: Cluster, offers: list[Offer], points: list[Point]
+    job: ProvisionJob, owned: Cluster, offers: list[Offer], points: list[Point]
 ) -> tuple[int, int]:
     """Adds, for every choice of owned nodes (``owned_subsets``), the owned-only point and
     every owned + rented configuration the bounds cannot rule out; returns (planned,
@@ -144,7 +144,7 @@ def owned_first(
         if load is not None:
             slow = slowdowns(*load, job.terms, checkpoint_floor_s(job.model, len(cluster.nodes)),
                              True)  # fmt: skip
-        return _iterations(job) * it_lb * slow
+        return iterations(job) * it_lb * slow
 
     def plan_one(c: _Config) -> None:
         """Plans one configuration and adds its point (a plan's own slowdown: its largest
@@ -185,7 +185,7 @@ def owned_first(
                                          np.array(own_total))))  # fmt: skip
         configs.append(_Config(mine, {}, own_hour, None, bound(mine, None, it), owned_gpus))
         for offer in offers:
-            fl = _floor(job, offer)
+            fl = offer_floor(job, offer)
             most = offer.max_nodes
             if job.max_gpus is not None:
                 most = min(most, (job.max_gpus - mine.num_gpus) // offer.gpus_per_node)
@@ -208,19 +208,19 @@ def owned_first(
     # live configuration closest to the front (smallest ratio of its cost bound to the
     # front's cost at its time bound), re-checking the rest against every new point
     for c in [c for c in configs if not c.rented]:
-        if job.prune and _dominated(c.t_lb, c.cost_lb, points):
+        if job.prune and dominated(c.t_lb, c.cost_lb, points):
             pruned += 1
         else:
             plan_one(c)
     live = [c for c in configs if c.rented]
     while live:
         if job.prune:
-            keep = [c for c in live if not _dominated(c.t_lb, c.cost_lb, points)]
+            keep = [c for c in live if not dominated(c.t_lb, c.cost_lb, points)]
             pruned += len(live) - len(keep)
             live = keep
             if not live:
                 break
-        front = _front_cost(np.array([c.t_lb for c in live]), points)
+        front = front_cost(np.array([c.t_lb for c in live]), points)
         ratio = [0.0 if math.isinf(f) else c.cost_lb / f for c, f in zip(live, front, strict=True)]
         pick = min(range(len(live)), key=lambda k: (ratio[k], live[k].cost_lb))
         plan_one(live.pop(pick))
