@@ -16,7 +16,7 @@ from rich.console import Console
 from rich.table import Table
 
 from hetplan.cluster import load_cluster, parse_inline_cluster
-from hetplan.cost.estimate import Estimate
+from hetplan.cost.estimate_result import Estimate
 from hetplan.cost.params import default_params
 from hetplan.model import ModelSpec, load_model
 from hetplan.plan import Plan

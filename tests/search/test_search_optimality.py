@@ -56,7 +56,8 @@ from dataclasses import dataclass, field, replace
 import pytest
 
 from hetplan.cluster import Cluster, Node, parse_inline_cluster
-from hetplan.cost.estimate import Estimate, estimate
+from hetplan.cost.estimate import estimate
+from hetplan.cost.estimate_result import Estimate
 from hetplan.cost.params import CostParams, default_params
 from hetplan.errors import InputError
 from hetplan.hardware import get_gpu

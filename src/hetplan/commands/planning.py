@@ -48,7 +48,7 @@ from hetplan.commands.options import (
     ZeroLimit,
 )
 from hetplan.commands.predict import predict
-from hetplan.cost.estimate import Estimate
+from hetplan.cost.estimate_result import Estimate
 from hetplan.cost.params import CostParams
 from hetplan.errors import InputError
 from hetplan.model import ModelSpec, load_model

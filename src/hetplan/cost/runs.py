@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from hetplan.cluster import Cluster, cluster_from_dict
-from hetplan.cost.estimate import Estimate
+from hetplan.cost.estimate_result import Estimate
 from hetplan.errors import InputError, shown
 from hetplan.model import ModelSpec
 from hetplan.plan import Pipeline, Plan, Stage

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from hetplan.cluster import Cluster
-    from hetplan.cost.estimate import Estimate
+    from hetplan.cost.estimate_result import Estimate
     from hetplan.cost.params import CostParams
     from hetplan.plan import Plan
 

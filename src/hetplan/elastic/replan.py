@@ -16,7 +16,8 @@ import time
 from dataclasses import dataclass, field, replace
 
 from hetplan.cluster import Cluster
-from hetplan.cost.estimate import Estimate, estimate
+from hetplan.cost.estimate import estimate
+from hetplan.cost.estimate_result import Estimate
 from hetplan.cost.params import CostParams, default_params
 from hetplan.elastic.placement import node_of
 from hetplan.errors import InputError

@@ -6,7 +6,7 @@ from typing import Any
 
 from rich.table import Table
 
-from hetplan.cost.estimate import ITERATION_TERMS, Estimate
+from hetplan.cost.estimate_result import ITERATION_TERMS, Estimate
 from hetplan.plan import Plan
 
 

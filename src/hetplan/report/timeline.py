@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from hetplan.cost.estimate import Estimate
+from hetplan.cost.estimate_result import Estimate
 from hetplan.plan import Plan
 
 MAX_ROWS = 64

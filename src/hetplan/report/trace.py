@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from hetplan.cost.estimate import Estimate
+from hetplan.cost.estimate_result import Estimate
 from hetplan.plan import Plan
 
 MAX_DEVICE_ROWS = 512

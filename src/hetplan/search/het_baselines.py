@@ -8,7 +8,8 @@ import math
 from typing import cast
 
 from hetplan.cluster import Cluster
-from hetplan.cost.estimate import Estimate, estimate
+from hetplan.cost.estimate import estimate
+from hetplan.cost.estimate_result import Estimate
 from hetplan.cost.params import CostParams
 from hetplan.errors import InputError
 from hetplan.model import ModelSpec

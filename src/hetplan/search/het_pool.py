@@ -10,7 +10,8 @@ import math
 from dataclasses import dataclass, field, replace
 
 from hetplan.cluster import Cluster
-from hetplan.cost.estimate import Estimate, estimate
+from hetplan.cost.estimate import estimate
+from hetplan.cost.estimate_result import Estimate
 from hetplan.cost.params import CostParams
 from hetplan.model import ModelSpec
 from hetplan.plan import Plan

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from hetplan.cost.estimate import Estimate
+from hetplan.cost.estimate_result import Estimate
 from hetplan.plan import Plan
 
 

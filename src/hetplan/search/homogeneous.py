@@ -11,7 +11,8 @@ import math
 from dataclasses import dataclass, field
 
 from hetplan.cluster import Cluster
-from hetplan.cost.estimate import Estimate, estimate
+from hetplan.cost.estimate import estimate
+from hetplan.cost.estimate_result import Estimate
 from hetplan.cost.params import CostParams, default_params
 from hetplan.model import ModelSpec
 from hetplan.plan import Plan

@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from hetplan.cluster import Cluster, Node
-from hetplan.cost.estimate import Estimate
+from hetplan.cost.estimate_result import Estimate
 from hetplan.cost.money import node_parts
 from hetplan.market import Offer
 from hetplan.plan import Plan

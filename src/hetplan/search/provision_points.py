@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from hetplan.cluster import Cluster
-from hetplan.cost.estimate import Estimate
+from hetplan.cost.estimate_result import Estimate
 from hetplan.cost.params import CostParams
 from hetplan.market import Offer
 from hetplan.model import ModelSpec

@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass, field
 
 from hetplan.cluster import Cluster, Node
-from hetplan.cost.estimate import Estimate
+from hetplan.cost.estimate_result import Estimate
 from hetplan.cost.params import CostParams
 from hetplan.elastic.placement import node_of, node_shards, shard_bytes
 from hetplan.elastic.recovery import (
