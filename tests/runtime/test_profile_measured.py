@@ -113,6 +113,7 @@ def test_estimate_uses_links_and_pipeline_overhead(
     db.put_link("cpu", "p2p", 0.01, 1e8)
     db.put_link("cpu", "allreduce", 0.002, 5e7)
     db.put_link("cpu", "pipeline", 0.003, 0.0)
+    db.put_link("cpu", "scalar", 0.0005, 0.0)
     db.put_part("cpu", model, "tp_comm", 2, 2, "fp32", LayerTimes(0.004, 0.006, 0.0))
     pp = estimate(pp_plan, model, cluster, profile=db)
     act = 2 * model.seq * model.hidden * 4
@@ -122,6 +123,8 @@ def test_estimate_uses_links_and_pipeline_overhead(
     dp = estimate(load_plan(write_plan(tmp_path / "dp.json", DP2)), model, cluster, profile=db)
     grads = model.total_params() * 4.0  # untied: every parameter's gradient, summed once
     assert dp.stages[0].grad_sync_s == pytest.approx(grads / 5e7 + 2 * 0.002)
+    # gradient norm and loss: two all-reduces of one number, 2 tree steps each among 2
+    assert dp.breakdown["step_collectives_s"] == pytest.approx(2 * 2 * 0.0005)
     tp = estimate(load_plan(write_plan(tmp_path / "tp.json", TP2)), model, cluster, profile=db)
     assert tp.stages[0].tp_comm_s == pytest.approx(4 * (0.004 + 0.006))
     assert tp.compute_source == "measured"
@@ -228,6 +231,10 @@ def test_profile_with_links_measures_gloo(
     assert ring is not None
     grads = model.total_params() * 4.0
     assert est.stages[0].grad_sync_s == pytest.approx(grads / ring[1] + 2 * ring[0])
+    # the all-reduce of one number, per tree step: 2 processes take 2 steps, twice a step
+    one = db.link_figures(gpu, "scalar")
+    assert one is not None and one[0] > 0 and one[1] == 0.0
+    assert est.breakdown["step_collectives_s"] == pytest.approx(2 * 2 * one[0])
 
 
 def test_stored_ring_figures_price_the_measured_line(inputs: dict[str, Path], tmp_path: Path):
