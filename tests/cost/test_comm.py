@@ -111,7 +111,7 @@ def test_scalar_allreduce_is_tree_latency():
     params = CostParams(intra_latency_s=10e-6, inter_latency_s=30e-6)
     nodes = parse_inline_cluster("A100-80GB:5x8").nodes
     assert [comm.tree_steps(n) for n in (1, 2, 3, 4, 5, 8, 9)] == [0, 2, 4, 4, 6, 6, 8]
-    assert comm.scalar_allreduce_s(nodes, 8, params) == pytest.approx(240e-6)
-    assert comm.scalar_allreduce_s(nodes[:1], 2, params) == pytest.approx(20e-6)
-    assert comm.scalar_allreduce_s(nodes[:1], 1, params) == 0.0
-    assert comm.scalar_allreduce_s(nodes[:2], 1, params) == pytest.approx(60e-6)
+    assert comm.scalar_allreduce_s(nodes[:1], 5, 8, params) == pytest.approx(240e-6)
+    assert comm.scalar_allreduce_s(nodes[:1], 1, 2, params) == pytest.approx(20e-6)
+    assert comm.scalar_allreduce_s(nodes[:1], 1, 1, params) == 0.0
+    assert comm.scalar_allreduce_s(nodes[:1], 2, 1, params) == pytest.approx(60e-6)

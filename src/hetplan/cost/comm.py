@@ -162,23 +162,26 @@ def tree_steps(n: int) -> int:
     return 2 * math.ceil(math.log2(n)) if n > 1 else 0
 
 
-def scalar_allreduce_s(nodes: Sequence[Node], per_node: int, params: CostParams) -> float:
+def scalar_allreduce_s(
+    kinds: Sequence[Node], nodes: int, per_node: int, params: CostParams
+) -> float:
     """Returns the time of an all-reduce of one number (a loss, a gradient norm) among
-    ``per_node`` devices on each of ``nodes``: latency only, ``tree_steps`` inside a node at
-    the profile's measured step (``scalar`` link) or the intra-node latency, then between
-    the nodes at the network latency."""
-    if not nodes:
+    ``per_node`` devices on each of ``nodes`` nodes, ``kinds`` one node of each GPU type
+    among them: latency only, ``tree_steps`` inside a node at the profile's measured step
+    (``scalar`` link) or the intra-node latency, then between the nodes at the network
+    latency (the slowest type's)."""
+    if not kinds:
         return 0.0
     inside = 0.0
     if per_node > 1:
         steps = tree_steps(per_node)
-        for node in {id(n.gpu): n for n in nodes}.values():
+        for node in kinds:
             own = params.compute.ask("link_figures", node.gpu, "scalar")
             step = own[0] if own is not None else params.intra_latency_of(node.gpu.name)
             inside = max(inside, steps * step)
     between = 0.0
-    if len(nodes) > 1:
-        between = tree_steps(len(nodes)) * max(params.inter_latency_of(n.gpu.name) for n in nodes)
+    if nodes > 1:
+        between = tree_steps(nodes) * max(params.inter_latency_of(n.gpu.name) for n in kinds)
     return inside + between
 
 

@@ -135,9 +135,10 @@ class SyncLayout:
     dp_members: dict[tuple[int, int], list[Node]]
     edge_params: list[float] = field(default_factory=list)
     """Per segment, the embedding and head parameters in it (ZeRO-3 syncs them once a step)."""
-    spread: tuple[list[Node], int] = field(default_factory=lambda: ([], 0))
-    """The nodes the plan's devices are on and the most devices it uses on one of them
-    (the step's all-reduces of one number span them all: ``comm.scalar_allreduce_s``)."""
+    spread: tuple[list[Node], int, int] = field(default_factory=lambda: ([], 0, 0))
+    """One node of each GPU type the plan's devices are on, how many nodes they are on, and
+    the most devices the plan uses on one of them (the step's all-reduces of one number
+    span them all: ``comm.scalar_allreduce_s``)."""
     classes: dict[bool, tuple[Any, ...]] = field(default_factory=dict, repr=False)
     """``layout_classes``' memo: per interleaving, (pipelines, talkers, pipeline classes)."""
 
@@ -205,7 +206,8 @@ def sync_layout(plan: Plan, model: ModelSpec, node_of: Any) -> SyncLayout:
                 name = d.rpartition(":")[0]
                 per_node[name] += 1
                 first_dev.setdefault(name, d)
-    spread = ([node_of(d) for d in first_dev.values()], max(per_node.values(), default=0))
+    kinds = {id(n.gpu): n for n in map(node_of, first_dev.values())}
+    spread = (list(kinds.values()), len(per_node), max(per_node.values(), default=0))
     return SyncLayout(
         groups, group_members, concurrency, dp_members, edge_params=edges, spread=spread
     )
