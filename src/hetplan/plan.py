@@ -132,12 +132,13 @@ class Plan:
             out.pop("virtual_stages")
         return out
 
-    def save(self, path: Path, compact: bool = True) -> None:
-        """Writes the plan as JSON, atomically; repeated pipelines in the compact form unless
-        ``compact`` is False (every device listed)."""
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps(self.to_dict(compact), indent=2) + "\n")
-        tmp.replace(path)
+    def save(self, path: Path, compact: bool = True, option: str = "--out") -> None:
+        """Writes the plan as JSON, whole or not at all (``outputs.write_text``: a path that
+        cannot be written is an error naming ``option``); repeated pipelines in the compact
+        form unless ``compact`` is False (every device listed)."""
+        from hetplan.outputs import write_text
+
+        write_text(path, json.dumps(self.to_dict(compact), indent=2) + "\n", option)
 
 
 def _int(data: dict[str, Any], key: str, where: str, default: int | None = None) -> int:

@@ -7,7 +7,7 @@ import pytest
 from hetplan.cost.calibrate_data import shipped_files
 from hetplan.cost.calibrate_fit import fit_reserve_bytes, memory_slack_bytes
 from hetplan.cost.memory import stage_activation_bytes, state_bytes, zero3_working_bytes
-from hetplan.cost.params import default_params
+from hetplan.cost.params import CostParams, default_params
 from hetplan.cost.runs import load_runs
 from hetplan.model import ModelSpec
 
@@ -73,12 +73,23 @@ def test_zero3_working_bytes():
     assert zero3_working_bytes(GPT, 2, "fp16") == pytest.approx(2 * GPT.layer_params() / 2 * 2)
 
 
-def test_fit_reserve_is_largest_that_keeps_measured_rows():
-    """The reserve is the tightest measured slack (less a guard); OOM rows do not bind it."""
+def test_fit_reserve_moves_the_prior_only_as_far_as_rows_demand():
+    """Rows that ran bound the reserve from above, rows that ran out of memory from below;
+    between the two, the prior stays; when no reserve does both, every row that ran fits."""
+    guard = 2**20
+    # no bound near the prior: a small model on a 96 GB GPU ran with ~89 GB to spare
+    assert fit_reserve_bytes([(89e9, True), (95e9, True)], 1.5e9) == 1.5e9
+    # a row that ran with 1 GB to spare caps it
+    assert fit_reserve_bytes([(1e9, True), (5e9, True)], 1.5e9) == 1e9 - guard
+    # a row that ran out of memory with 2 GB to spare (as modelled) lifts it
+    assert fit_reserve_bytes([(2e9, False), (9e9, True)], 1.5e9) == 2e9 + guard
+    # contradictory rows: the largest reserve with which every row that ran fits
     rows = [(3e9, True), (2e9, True), (1e9, False), (2.5e9, False)]
-    r = fit_reserve_bytes(rows, 1.5e9)
-    assert r < 2e9 and r > 2e9 - 2e6
+    assert fit_reserve_bytes(rows, 1.5e9) == 2e9 - guard
+    # only rows that ran out of memory, below the prior: the prior
     assert fit_reserve_bytes([(1e9, False)], 1.5e9) == 1.5e9
+    # no rows: the prior
+    assert fit_reserve_bytes([], 1.5e9) == 1.5e9
 
 
 def test_amp_oom_rows_flagged_by_a_reserve_fitted_without_them():
@@ -93,7 +104,7 @@ def test_amp_oom_rows_flagged_by_a_reserve_fitted_without_them():
     for i, run in enumerate(runs):
         ran = [r.measured is not None for r in runs]
         others = [(v, ok) for j, (v, ok) in enumerate(zip(slack, ran, strict=True)) if j != i]
-        fits = fit_reserve_bytes(others, params.memory_reserve_bytes) <= slack[i]
+        fits = fit_reserve_bytes(others, CostParams().memory_reserve_bytes) <= slack[i]
         if run.measured is None:
             flagged_oom += not fits
         else:

@@ -11,6 +11,7 @@ import typer
 from hetplan.commands.common import open_profile, out, print_json
 from hetplan.commands.options import JsonOpt, ProfileOpt
 from hetplan.cost.params import CostParams
+from hetplan.outputs import check_output
 
 
 def register(app: typer.Typer) -> None:
@@ -44,6 +45,7 @@ def calibrate(
     from hetplan.cost.calibrate_report import in_sample, leave_one_out
     from hetplan.cost.runs import load_runs
 
+    check_output(out_path, "--out")
     db = open_profile(profile_path)
     start = CostParams() if db is None else CostParams().with_profile(db)
     measured_runs = load_runs(runs)

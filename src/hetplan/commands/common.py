@@ -3,7 +3,6 @@ profile, JSON output, warnings, and the precision and batch a command resolves."
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from pathlib import Path
@@ -17,6 +16,7 @@ from hetplan.cost.estimate import estimate
 from hetplan.cost.params import CostParams, load_params
 from hetplan.errors import InputError
 from hetplan.model import ModelSpec
+from hetplan.outputs import json_text
 from hetplan.plan import PRECISIONS, Plan
 
 # a pipe gets wide lines rather than rich's 80-column default, so tables stay readable
@@ -75,7 +75,7 @@ def load_cost(params_path: Path | None, profile_path: Path | None) -> CostParams
 def print_json(obj: Any) -> None:
     """Writes one JSON object to stdout with the standard library (no highlighting: a
     large plan prints in milliseconds, not through rich)."""
-    sys.stdout.write(json.dumps(obj))
+    sys.stdout.write(json_text(obj))
     sys.stdout.write("\n")
     sys.stdout.flush()
 

@@ -13,6 +13,7 @@ from hetplan.commands.common import err, out
 from hetplan.commands.options import ModelOpt, SeqOpt
 from hetplan.errors import InputError
 from hetplan.model import load_model
+from hetplan.outputs import write_text
 from hetplan.plan import load_plan
 
 
@@ -45,9 +46,7 @@ def export(
     if out_path is None:
         out.print(text, end="", highlight=False, soft_wrap=True)
     else:
-        tmp = out_path.with_name(out_path.name + ".tmp")
-        tmp.write_text(text)
-        tmp.replace(out_path)
+        write_text(out_path, text, "--out")
     if fmt == "deepspeed":  # DeepSpeed takes the parallel sizes from the launcher
         launch = deepspeed_launch_args(the_plan, str(out_path or "ds_config.json"))
         err.print(f"Megatron-DeepSpeed arguments: {shlex.join(launch)}", highlight=False,

@@ -52,6 +52,7 @@ from hetplan.cost.estimate_result import Estimate
 from hetplan.cost.params import CostParams
 from hetplan.errors import InputError
 from hetplan.model import ModelSpec, load_model
+from hetplan.outputs import check_output
 from hetplan.plan import Plan, load_plan
 from hetplan.report import require_matplotlib
 from hetplan.report.table import breakdown_table, estimate_json, plan_label, plans_table
@@ -121,6 +122,8 @@ def plan(
     --memory-headroom, --max-gpus) constrain the search: a value pins, a list or range
     limits. --overlap-tp-comm searches plans that overlap TP collectives (as for predict)."""
     require_matplotlib("--timeline", timeline)
+    check_output(trace, "--trace")
+    check_output(out_path, "--out")
     from hetplan.search.constraints import constraints_from_options
 
     limits = constraints_from_options(

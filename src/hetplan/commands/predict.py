@@ -36,6 +36,7 @@ from hetplan.commands.options import (
 from hetplan.cost.estimate import estimate
 from hetplan.errors import InputError
 from hetplan.model import load_model
+from hetplan.outputs import check_output
 from hetplan.plan import Plan, load_plan
 from hetplan.report import require_matplotlib
 from hetplan.report.table import breakdown_table, estimate_json, plans_table
@@ -113,6 +114,7 @@ def predict(
     --sequence-parallel, --flash-attention, --overlap-tp-comm, --overlap-grad-reduce
     switches (and their --no- forms)."""
     require_matplotlib("--timeline", timeline)
+    check_output(trace, "--trace")
     spec = load_model(model, seq_len)
     cl = load_cluster(cluster)
     params = load_cost(params_path, profile_path)

@@ -153,15 +153,23 @@ def memory_slack_bytes(run: Run, params: CostParams) -> float:
 
 
 def fit_reserve_bytes(slacks: list[tuple[float, bool]], prior_bytes: float) -> float:
-    """Returns the largest reserve with which every measured (slack, True) row still fits."""
+    """Returns the reserve the measured rows call for: the prior, moved only as far as the
+    rows demand. Every row that ran must fit (the reserve at most the tightest such row's
+    slack); every row that ran out of memory (slack, False) should not (the reserve above
+    its slack). Where no reserve does both, the largest with which every row that ran
+    fits: it flags the most rows that ran out."""
     # The reserve holds what the tensor accounting leaves out: the CUDA context, library
     # workspaces, the caching allocator's fragmentation (PyTorch "CUDA memory management":
-    # reserved >= allocated), and the gap between the datasheet and the visible memory.
-    # Every row that ran must fit; the largest such reserve flags the most OOM rows.
+    # reserved >= allocated), and the gap between the datasheet and the visible memory. A
+    # row that ran says only that the reserve is no larger than its slack (a small model on
+    # a 96 GB GPU leaves ~89 GB), so rows that ran bound it from above, never set it.
     ran = [s for s, measured in slacks if measured]
-    if not ran:
-        return prior_bytes
-    return max(0.0, min(ran) - RESERVE_GUARD_BYTES)
+    oom = [s for s, measured in slacks if not measured]
+    hi = max(0.0, min(ran) - RESERVE_GUARD_BYTES) if ran else float("inf")
+    lo = max(oom) + RESERVE_GUARD_BYTES if oom else 0.0
+    if lo > hi:
+        return hi
+    return min(max(prior_bytes, lo, 0.0), hi)
 
 
 def _memory_rows(runs: list[Run], params: CostParams) -> list[tuple[float, bool]]:

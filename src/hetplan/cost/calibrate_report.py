@@ -134,7 +134,7 @@ def leave_one_out(
     held_reserve = {
         i: fit_reserve_bytes(
             [(v, runs[j].measured is not None) for j, v in slack.items() if j != i],
-            params.memory_reserve_bytes,
+            start.memory_reserve_bytes,  # the prior, as ``fit`` starts from
         )
         for i in slack
     }

@@ -172,11 +172,11 @@ class CostParams:
         except TypeError as exc:
             raise InputError("calibration", f"malformed parameters: {exc}") from None
 
-    def save(self, path: Path) -> None:
-        """Writes the parameters as JSON, atomically."""
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
-        tmp.replace(path)
+    def save(self, path: Path, option: str = "--out") -> None:
+        """Writes the parameters as JSON, whole or not at all (``outputs.write_text``)."""
+        from hetplan.outputs import write_text
+
+        write_text(path, json.dumps(self.to_dict(), indent=2) + "\n", option)
 
 
 @cache

@@ -12,6 +12,7 @@ from rich.console import Console
 from rich.table import Table
 
 from hetplan.errors import InputError
+from hetplan.outputs import json_text
 from hetplan.units import parse_bandwidth_bytes_per_s
 
 DEFAULT_STORAGE_BANDWIDTH = "10 Gbit/s"
@@ -126,7 +127,7 @@ def replan_cmd(
     if out is not None:
         new_plan.save(out)
     if as_json:
-        typer.echo(json.dumps(report))
+        typer.echo(json_text(report))
         return
     console = Console()
     console.print(

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import json
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -14,6 +13,7 @@ from rich.console import Console
 from rich.table import Table
 
 from hetplan.errors import InputError
+from hetplan.outputs import json_text
 
 FORMATS = ("sailor", "csv")
 
@@ -93,7 +93,7 @@ def import_profile(
     db = write_db(out, batch)
     counts = batch.counts()
     if as_json:
-        typer.echo(json.dumps({"db": str(out), "added": counts, "notes": batch.notes}))
+        typer.echo(json_text({"db": str(out), "added": counts, "notes": batch.notes}))
         return
     console = _console()
     added = ", ".join(f"{n} {table}" for table, n in counts.items() if n)
@@ -150,7 +150,7 @@ def show_profile(
         payload["network"] = [
             {"device": d, "scope": s, "gpus": n, "kind": k} for d, s, n, k in network
         ]
-        typer.echo(json.dumps(payload))
+        typer.echo(json_text(payload))
         return
     console = _console()
     table = Table(title=f"layer profiles in {db_path}")

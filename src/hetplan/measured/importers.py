@@ -187,12 +187,17 @@ def positive_number(value: object, where: str, what: str, allow_zero: bool = Fal
 def write_db(out: Path, batch: ImportBatch) -> ProfileDB:
     """Adds ``batch`` to the database at ``out`` (created if missing) and returns it: the rows
     go into a copy that replaces ``out`` only once all of them are written."""
+    if out.is_dir():
+        raise InputError("--out", f"cannot write {out}: it is a folder")
     if out.exists():
         with out.open("rb") as fh:
             if out.stat().st_size and not fh.read(16).startswith(b"SQLite format 3"):
                 raise InputError("--out", f"{out} exists and is not an SQLite profile database")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, name = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fd, name = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
+    except OSError as exc:
+        raise InputError("--out", f"cannot write {out}: {exc.strerror or exc}") from None
     os.close(fd)
     tmp = Path(name)
     try:

@@ -188,4 +188,4 @@ def write_pareto_plot(path: Path, res: ProvisionResult, constraints: Constraints
     ax.set_ylabel("total cost (USD)")
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
-    save_figure(fig, path)
+    save_figure(fig, path, "--plot")

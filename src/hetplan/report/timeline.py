@@ -49,4 +49,4 @@ def write_timeline(path: Path, plan: Plan, est: Estimate) -> None:
         f"one iteration: {est.iteration_time_s:.3f} s (blue forward, orange backward, "
         "red gradient sync, green optimizer)"
     )
-    save_figure(fig, path)
+    save_figure(fig, path, "--timeline")

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from hetplan.cost.estimate_result import Estimate
+from hetplan.outputs import write_text
 from hetplan.plan import Plan
 
 MAX_DEVICE_ROWS = 512
@@ -89,6 +90,4 @@ def trace_events(plan: Plan, est: Estimate) -> list[dict[str, Any]]:
 def write_trace(path: Path, plan: Plan, est: Estimate) -> None:
     """Writes the Chrome-trace JSON file atomically."""
     data = {"traceEvents": trace_events(plan, est), "displayTimeUnit": "ms"}
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data))
-    tmp.replace(path)
+    write_text(path, json.dumps(data), "--trace")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import subprocess
 import tempfile
 from dataclasses import replace
@@ -14,6 +13,7 @@ from rich.console import Console
 from rich.table import Table
 
 from hetplan.errors import InputError, shown
+from hetplan.outputs import json_text
 from hetplan.runtime.config import RunConfig
 
 
@@ -179,7 +179,7 @@ def launch(
         except RuntimeError as exc:
             raise typer.Exit(_fail(str(exc))) from None
         typer.echo(
-            json.dumps(rec)
+            json_text(rec)
             if as_json
             else f"finished at step {rec['final_step']}, {len(rec['recoveries'])} recoveries"
         )
@@ -220,7 +220,7 @@ def launch(
     record["compute_source"] = source
     record["notes"] = notes
     if as_json:
-        typer.echo(json.dumps(record))
+        typer.echo(json_text(record))
         return
     measured = record.get("measured_step_time_s")
     if measured:
@@ -314,7 +314,7 @@ def profile(
             }
             for r in records
         ]
-        typer.echo(json.dumps({"db": str(store.path), "layers": rows, "device": figures}))
+        typer.echo(json_text({"db": str(store.path), "layers": rows, "device": figures}))
         return
     table = Table(title=f"{spec.name} layer on {label} ({store.path})")
     for col in ("tp", "micro-batch", "forward ms", "backward ms", "activations MB"):
@@ -363,7 +363,7 @@ def data_convert(
 
     summary = convert_text(text, out, tokenizer)
     if as_json:
-        typer.echo(json.dumps(summary))
+        typer.echo(json_text(summary))
     else:
         typer.echo(
             f"wrote {summary['tokens']} {summary['dtype']} token ids "

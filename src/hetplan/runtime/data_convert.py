@@ -14,7 +14,6 @@ a token across such a cut, so the ids equal those of the whole text encoded at o
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, TextIO
@@ -22,6 +21,7 @@ from typing import Any, TextIO
 import numpy as np
 
 from hetplan.errors import InputError
+from hetplan.outputs import output_file
 
 CHUNK_BYTES = 1 << 20
 
@@ -75,17 +75,14 @@ def convert_text(src: Path, out: Path, tokenizer: Path | None = None) -> dict[st
         raise InputError("--out", f"{out.name}: a vocabulary of {vocab} needs {dtype} ids")
     if suffix == ".bin" and dtype == "uint32":
         raise InputError("--out", f"a vocabulary of {vocab} needs uint32 ids: name it .u32")
-    tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
     count = 0
-    try:
-        with src.open("r", encoding="utf-8", errors="replace") as f, tmp.open("wb") as w:
-            for text in _blocks(f, CHUNK_BYTES):
-                ids = np.asarray(encode(text), dtype=dtype)
-                ids.astype(ids.dtype.newbyteorder("<"), copy=False).tofile(w)
-                count += len(ids)
-            w.flush()
-            os.fsync(w.fileno())
-        os.replace(tmp, out)
-    finally:
-        tmp.unlink(missing_ok=True)
+    with (
+        src.open("r", encoding="utf-8", errors="replace") as f,
+        output_file(out, "--out", fsync=True) as tmp,
+        tmp.open("wb") as w,
+    ):
+        for text in _blocks(f, CHUNK_BYTES):
+            ids = np.asarray(encode(text), dtype=dtype)
+            ids.astype(ids.dtype.newbyteorder("<"), copy=False).tofile(w)
+            count += len(ids)
     return {"out": str(out), "tokens": count, "dtype": dtype, "vocab": vocab}

@@ -149,4 +149,4 @@ def write_buy_plot(path: Path, rows: list[BuyRow]) -> None:
     ax.set_ylabel("cumulative cost (USD)")
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
-    save_figure(fig, path)
+    save_figure(fig, path, "--plot")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import subprocess
@@ -14,6 +13,7 @@ from rich.console import Console
 
 from hetplan.cluster import load_cluster
 from hetplan.errors import InputError
+from hetplan.outputs import json_text
 
 if TYPE_CHECKING:  # torch is imported only when a command runs (keeps `hetplan --help` fast)
     from hetplan.spmd.synth import Synthesis
@@ -70,7 +70,7 @@ def plan(
         module, cluster, inputs, resolve_precision(load_cluster(cluster), precision)
     )
     if as_json:
-        print(json.dumps(result.to_dict()))
+        print(json_text(result.to_dict()))
         return
     con = Console()
     for line in result.program.lines():

@@ -10,6 +10,7 @@ import typer
 from rich.console import Console
 
 from hetplan.errors import InputError, shown
+from hetplan.outputs import write_text
 
 app = typer.Typer(help="Replay GPU availability traces: tokens and dollars per policy.")
 
@@ -202,9 +203,7 @@ def synth(
         for gpu, t in pool.types.items()
     ]
     trace = synthesize(types, parse_duration_s(duration, "--duration"), seed)
-    tmp = out_path.with_name(out_path.name + ".tmp")
-    tmp.write_text(trace_csv(trace))
-    tmp.replace(out_path)
+    write_text(out_path, trace_csv(trace), "--out")
     Console().print(
         f"{trace.changes()} changes over {trace.duration_s / 3600:.1f} h written to {out_path}",
         highlight=False,

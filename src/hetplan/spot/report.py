@@ -151,4 +151,4 @@ def write_plot(path: Path, result: Result) -> None:
     top.legend(fontsize=8)
     for ax in (top, bottom):
         ax.grid(alpha=0.3)
-    save_figure(fig, path)
+    save_figure(fig, path, "--plot")
