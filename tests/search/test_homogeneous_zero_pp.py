@@ -1,6 +1,6 @@
 """ZeRO-2/3 with pipelining: priced as PyTorch's pipelining runs them (gradient sync and
 resharding deferred to the last micro-batch), they move ZeRO-1's bytes once a step and hold
-no less memory, so the homogeneous search leaves them out (``cost.sharding``,
+no less memory, so the searches leave them out (``cost.sharding``,
 docs/search.md). The case below shows the dominance with estimate itself."""
 
 from __future__ import annotations
@@ -65,3 +65,21 @@ def test_unpipelined_zero_3_still_shards_per_micro_batch():
     three = estimate(_pp2_dp2(3, pp=1), MODEL, cluster)
     assert three.breakdown["sharded_dp_comm_s"] > 0
     assert three.distinct_stages[0].memory.weights < one.distinct_stages[0].memory.weights
+
+
+def test_the_heterogeneous_search_leaves_them_out_too():
+    """On the README's mixed 64-GPU cluster the best plans are pipelined; before the
+    heterogeneous search left them out, its second and third plans were the first with
+    ZeRO-2 and ZeRO-3 (the same 21.477 s, 1.2 GB more memory)."""
+    from hetplan.cluster import load_cluster
+    from hetplan.cost.sharding import deferred_sync
+    from hetplan.model import load_model
+    from hetplan.search.heterogeneous import search_heterogeneous
+
+    model = load_model("gpt3-6.7b")
+    cluster = load_cluster("examples/clusters/mixed64.yaml")
+    res = search_heterogeneous(model, cluster, 1024, "fp16", top_k=5)
+    assert len(res.ranked) == 5
+    assert any(len(p.stages) > 1 for plan, _ in res.ranked for p in plan.pipelines)
+    assert not any(deferred_sync(plan) for plan, _ in res.ranked)
+    assert res.ranked[0][0].zero_stage == 1

@@ -44,12 +44,18 @@ def deferred_sync(plan: Plan) -> bool:
     pipeline has several stages, or (ZeRO-3) replicas run different micro-batch counts, so
     gradients and parameters stay whole until the last micro-batch and the step moves
     ZeRO-1's bytes once (module docstring)."""
-    if plan.zero_stage < 2 or plan.dp <= 1:
-        return False
-    if any(len(p.stages) > 1 for p in plan.pipelines):
-        return True
     counts = {plan.num_micro_batches(p) for p in plan.pipelines}
-    return plan.zero_stage == 3 and len(counts) > 1
+    pipelined = any(len(p.stages) > 1 for p in plan.pipelines)
+    return deferred(plan.zero_stage, plan.dp, pipelined, len(counts) > 1)
+
+
+def deferred(zero_stage: int, dp: int, pipelined: bool, uneven_counts: bool) -> bool:
+    """``deferred_sync`` from a plan's parts: ZeRO stage, pipelines, whether some pipeline
+    has several stages, and whether replicas run different micro-batch counts. Such a plan
+    costs ZeRO-1's time with no less memory than ZeRO-1: the searches leave it out."""
+    if zero_stage < 2 or dp <= 1:
+        return False
+    return pipelined or (zero_stage == 3 and uneven_counts)
 
 
 def bucket_count(params_local: float, dp: int) -> int:

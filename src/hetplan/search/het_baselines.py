@@ -109,6 +109,8 @@ def best_uniform(
                     zeros = tuple(z for z in c.zero_stage if z <= 3)
                 for rc in recomputes:
                     for zero in zeros:
+                        if zero >= 2 and pp > 1:  # dominated (cost.sharding.deferred)
+                            continue
                         sp = tp > 1 if c.sequence_parallel is None else c.sequence_parallel
                         plan = uniform_plan(
                             cluster, model.layers, tp, pp, dp, mb, global_batch,

@@ -17,6 +17,7 @@ import numpy as np
 from hetplan.cost.estimate import p2p_wait_s
 from hetplan.cost.memory import stage_state
 from hetplan.cost.schedule import peak_in_flight
+from hetplan.cost.sharding import deferred
 from hetplan.plan import RECOMPUTE, Pipeline, Plan, Stage
 from hetplan.search.het_bounds import chunk_times, closed_bound_s, pipeline_bound_s
 from hetplan.search.het_generation import SearchState
@@ -325,7 +326,11 @@ class Enumeration:
         d = len(chosen)
         sel = tuple(chosen)
         any_tp = any(self.tables[c].tp > 1 for i, _ in sel for c in self.pipes[i].classes)
+        pipelined = any(len(self.pipes[i].layers) > 1 for i, _ in sel)
+        uneven = len({m for _, m in sel}) > 1
         for z in s.zeros_allowed(zero_choices(d)):
+            if deferred(z, d, pipelined, uneven):  # ZeRO-1's time, more memory: dominated
+                continue
             shards = d if z else 1
             bound = max(self.pipe_bound_s(i, m, shards) for i, m in sel)
             if bound >= s.cutoff_s:

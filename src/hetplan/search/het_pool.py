@@ -13,6 +13,7 @@ from hetplan.cluster import Cluster
 from hetplan.cost.estimate import estimate
 from hetplan.cost.estimate_result import Estimate
 from hetplan.cost.params import CostParams
+from hetplan.cost.sharding import deferred_sync
 from hetplan.model import ModelSpec
 from hetplan.plan import Plan
 from hetplan.search.constraints import PlanConstraints, narrow
@@ -188,7 +189,9 @@ class CandidatePool:
             zeros = self.zeros_allowed(zero_choices(plan.dp))  # ZeRO-0 too, if it is asked
         for form in forms:
             for z in zeros:
-                self.offer(replace(form, zero_stage=z, sequence_parallel=sp))
+                cand = replace(form, zero_stage=z, sequence_parallel=sp)
+                if not deferred_sync(cand):  # ZeRO-1's time, more memory: dominated
+                    self.offer(cand)
 
     def evaluate(self, plan: Plan, origin: tuple[tuple[int, ...], int] | None = None) -> Estimate:
         """Estimates one plan and records it."""

@@ -11,6 +11,7 @@ from dataclasses import dataclass, replace
 
 from hetplan.chunk_layout import lightened_chunks
 from hetplan.cluster import Cluster
+from hetplan.cost.sharding import deferred
 from hetplan.model import ModelSpec
 from hetplan.plan import Pipeline, Plan, Stage
 from hetplan.search.layout import even_layer_split, uniform_plan
@@ -108,7 +109,7 @@ def enumerate_candidates(
                     for zero in space.zero_stages:
                         if zero and dp == 1:
                             continue
-                        if zero >= 2 and pp > 1:
+                        if deferred(zero, dp, pp > 1, False):
                             # dominated: pipelined, frameworks run ZeRO-2/3 with ZeRO-1's
                             # traffic and no less memory (DeepSpeed's pipeline engine refuses
                             # them; PyTorch's pipelining stages defer FSDP's gradient sync
