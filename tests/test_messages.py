@@ -37,3 +37,35 @@ def test_a_bad_cluster_value_is_named_without_a_repr(tmp_path):
     assert line.startswith("error: nodes[0].colour: unknown key (allowed: ")
     assert ", gpu, gpus, " in line
     assert "[" not in line.split("allowed:")[1] and "'" not in line, line
+
+
+def test_a_cluster_price_must_be_a_finite_number(tmp_path):
+    from hetplan.cluster import load_cluster
+    from hetplan.errors import InputError
+
+    cluster = tmp_path / "c.yaml"
+    for value in (".nan", ".inf", "-1"):
+        cluster.write_text(f"nodes:\n  - {{gpu: T4, price_per_gpu_hour: {value}}}\n")
+        try:
+            load_cluster(str(cluster))
+        except InputError as exc:
+            assert exc.field == "nodes[0].price_per_gpu_hour", exc
+        else:
+            raise AssertionError(f"price {value} accepted")
+
+
+def test_a_second_cluster_is_named_by_its_own_option(tmp_path):
+    """replan's --joined file: its errors name --joined, not --cluster."""
+    from hetplan.cluster import load_cluster
+    from hetplan.errors import InputError
+
+    bad = tmp_path / "joined.yaml"
+    bad.write_text("nodes:\n  - {gpu: Z80}\n")
+    for spec, field in ((str(tmp_path / "none.yaml"), "--joined"),
+                        (str(bad), "--joined nodes[0].gpu")):  # fmt: skip
+        try:
+            load_cluster(spec, "--joined")
+        except InputError as exc:
+            assert exc.field == field, exc
+        else:
+            raise AssertionError("accepted")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -176,17 +177,26 @@ def _node_entries(entry: dict[str, Any], index: int, types: dict[str, GPUType]) 
     if own is not None:
         price = own.parts().total
     elif price is not None and (
-        isinstance(price, bool) or not isinstance(price, int | float) or price < 0
+        isinstance(price, bool)
+        or not isinstance(price, int | float)
+        or not math.isfinite(price)
+        or price < 0
     ):
         raise InputError(
             f"{where}.price_per_gpu_hour", f"expected a price >= 0, got {shown(price)}"
         )
-    base = str(entry.get("name") or _slug(gpu.name))
-    if not re.fullmatch(r"[A-Za-z0-9_.\-]+", base):
-        raise InputError(f"{where}.name", f"{shown(base)}: use letters, digits, '-', '_' and '.'")
+    base = check_node_name(str(entry.get("name") or _slug(gpu.name)), f"{where}.name")
     names = [base] if count == 1 and "name" in entry else [f"{base}-{i}" for i in range(count)]
     price = None if price is None else float(price)
     return [Node(n, gpu, gpus, intra, net, price, own) for n in names]
+
+
+def check_node_name(name: str, field: str) -> str:
+    """Returns ``name`` if it can name nodes (letters, digits, '-', '_', '.': plans name a
+    device ``node:index``), else raises naming ``field``."""
+    if not re.fullmatch(r"[A-Za-z0-9_.\-]+", name):
+        raise InputError(field, f"{shown(name)}: use letters, digits, '-', '_' and '.'")
+    return name
 
 
 def _ownership(entry: dict[str, Any], gpu: GPUType, where: str) -> Ownership | None:
@@ -267,17 +277,24 @@ def parse_inline_cluster(text: str) -> Cluster:
     return cluster_from_dict({"nodes": entries})
 
 
-def load_cluster(spec: str) -> Cluster:
-    """Returns the Cluster from a YAML file path or an inline 'TYPE:NxG,...' string."""
+def load_cluster(spec: str, option: str = "--cluster") -> Cluster:
+    """Returns the Cluster from a YAML file path or an inline 'TYPE:NxG,...' string;
+    ``option`` names it in messages (a field inside it is named after the option where that
+    is not --cluster: a second cluster, such as replan's --joined)."""
     path = Path(spec)
-    if path.suffix.lower() in {".yaml", ".yml", ".json"} or path.exists():
-        try:
-            data = yaml.safe_load(path.read_text())
-        except OSError as exc:
-            raise InputError("--cluster", f"cannot read {spec}: {exc.strerror}") from None
-        except yaml.YAMLError as exc:
-            mark = getattr(exc, "problem_mark", None)
-            where = f" at line {mark.line + 1}" if mark is not None else ""
-            raise InputError("--cluster", f"{spec} is not valid YAML{where}") from None
-        return cluster_from_dict(data)
-    return parse_inline_cluster(spec)
+    try:
+        if path.suffix.lower() in {".yaml", ".yml", ".json"} or path.exists():
+            try:
+                data = yaml.safe_load(path.read_text())
+            except OSError as exc:
+                raise InputError(option, f"cannot read {spec}: {exc.strerror}") from None
+            except yaml.YAMLError as exc:
+                mark = getattr(exc, "problem_mark", None)
+                where = f" at line {mark.line + 1}" if mark is not None else ""
+                raise InputError(option, f"{spec} is not valid YAML{where}") from None
+            return cluster_from_dict(data)
+        return parse_inline_cluster(spec)
+    except InputError as exc:
+        if option == "--cluster" or exc.field.startswith("--"):
+            raise
+        raise InputError(f"{option} {exc.field}", exc.reason) from None

@@ -3,6 +3,7 @@ prices."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -10,9 +11,9 @@ from typing import Any
 
 import yaml
 
-from hetplan.cluster import Cluster, Node
+from hetplan.cluster import Cluster, Node, check_node_name
 from hetplan.cost.money import OWNERSHIP_KEYS, Ownership, check_figure, ownership
-from hetplan.errors import InputError
+from hetplan.errors import InputError, shown
 from hetplan.hardware import GPUType, get_gpu
 from hetplan.units import parse_bandwidth_bytes_per_s, parse_duration_s
 
@@ -110,6 +111,15 @@ class Market:
     source: str = ""
 
 
+def _count(entry: dict[str, Any], key: str, where: str, default: int | None = None) -> int:
+    value = entry.get(key, default)
+    if value is None:
+        raise InputError(f"{where}.{key}", "required")
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise InputError(f"{where}.{key}", f"expected a positive integer, got {shown(value)}")
+    return value
+
+
 def _positive(
     entry: dict[str, Any],
     key: str,
@@ -121,7 +131,9 @@ def _positive(
     if value is None:
         raise InputError(f"{where}.{key}", "required")
     if isinstance(value, bool) or not isinstance(value, int | float):
-        raise InputError(f"{where}.{key}", f"expected a number, got {value}")
+        raise InputError(f"{where}.{key}", f"expected a number, got {shown(value)}")
+    if not math.isfinite(value):
+        raise InputError(f"{where}.{key}", f"expected a finite number, got {value}")
     if value < 0 or (value == 0 and not allow_zero):
         raise InputError(
             f"{where}.{key}", f"must be {'>= 0' if allow_zero else '> 0'}, got {value}"
@@ -165,10 +177,12 @@ def market_from_dict(data: Any) -> Market:
         spot = entry.get("spot_usd_per_gpu_hour")
         offers.append(
             Offer(
-                name=str(entry.get("name", gpu.name.lower().replace(" ", "-"))),
+                name=check_node_name(
+                    str(entry.get("name", gpu.name.lower().replace(" ", "-"))), f"{where}.name"
+                ),
                 gpu=gpu,
-                gpus_per_node=int(_positive(entry, "gpus_per_node", where, 8)),
-                max_nodes=int(_positive(entry, "max_nodes", where)),
+                gpus_per_node=_count(entry, "gpus_per_node", where, 8),
+                max_nodes=_count(entry, "max_nodes", where),
                 on_demand_usd_per_gpu_hour=_positive(entry, "on_demand_usd_per_gpu_hour", where),
                 spot_usd_per_gpu_hour=None
                 if spot is None

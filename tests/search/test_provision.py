@@ -99,6 +99,29 @@ def test_default_market_and_errors():
         market_from_dict({"nodes": []})
 
 
+@pytest.mark.parametrize(
+    ("key", "value", "field"),
+    [
+        ("on_demand_usd_per_gpu_hour", float("nan"), "on_demand_usd_per_gpu_hour"),
+        ("on_demand_usd_per_gpu_hour", float("inf"), "on_demand_usd_per_gpu_hour"),
+        ("spot_usd_per_gpu_hour", float("nan"), "spot_usd_per_gpu_hour"),
+        ("reserved_usd_per_gpu_hour", float("inf"), "reserved_usd_per_gpu_hour"),
+        ("preemption_rate_per_node_hour", float("nan"), "preemption_rate_per_node_hour"),
+        ("max_nodes", 2.5, "max_nodes"),
+        ("gpus_per_node", 2.5, "gpus_per_node"),
+        ("max_nodes", 0, "max_nodes"),
+        ("name", "a b", "name"),
+    ],
+)
+def test_an_offer_value_no_cluster_could_hold_is_refused(key, value, field):
+    """Prices are finite numbers, counts whole, names what a node name may be (as a cluster
+    file's): a NaN price once gave NaN dollars and a 2.5-node offer 16 GPUs."""
+    entry = {"gpu": "A100-80GB", "max_nodes": 2, "on_demand_usd_per_gpu_hour": 3.0, key: value}
+    with pytest.raises(InputError) as info:
+        market_from_dict({"offers": [entry]})
+    assert info.value.field == f"offers[0].{field}"
+
+
 def _front(**kw):
     from hetplan.search.provision import provision
 

@@ -67,7 +67,7 @@ def replan_report(
     params = load_cost(params_path, profile)
     plan = load_plan(plan_path)
     validate_plan(plan, model, cluster)
-    joined = load_cluster(joined_spec) if joined_spec else None
+    joined = load_cluster(joined_spec, "--joined") if joined_spec else None
     storage = storage_bandwidth_bytes_per_s(cluster_spec, storage_bw)
     res = replan(plan, model, cluster, lost, joined, params=params, search=search)
     rec = plan_recovery(problem_from_plans(plan, res.plan, model, cluster, res.cluster, storage))
