@@ -455,3 +455,49 @@ def test_cli_time_limit_reports_the_mixes_left(tmp_path):
     assert bad.returncode == 2
     assert "--time-limit" in bad.stderr and "--mixes" in bad.stderr
     assert "Traceback" not in bad.stderr
+
+
+def test_the_hourly_cap_answer_is_the_best_configuration_under_it():
+    """Brute force: every configuration planned without pruning or cap; under each cap the
+    recommendation is the fastest of those at most that much an hour, even where a point
+    above the cap dominates it (it once recommended 16 A100 under a $90 cap where 24, at
+    $82.32, were faster but dominated by 32)."""
+    from hetplan.search.provision import Constraints, provision
+
+    model, market = load_model("gpt2-medium"), _market()
+    full = provision(model, market, 1e9, 64, "fp16", prune=False)
+    assert len(full.points) >= 4
+    checked = 0
+    for cap in sorted({p.usd_per_hour for p in full.points}):
+        under = [p for p in full.points if p.usd_per_hour <= cap]
+        want = min(p.time_to_train_s for p in under)
+        res = provision(model, market, 1e9, 64, "fp16", objective="time",
+                        constraints=Constraints(max_usd_per_hour=cap))  # fmt: skip
+        assert res.recommended is not None
+        assert res.recommended.usd_per_hour <= cap
+        assert res.recommended.time_to_train_s == pytest.approx(want, rel=1e-12)
+        if any(p.time_to_train_s <= want and p.total_cost_usd < min(
+                q.total_cost_usd for q in under if q.time_to_train_s == want)
+               for p in full.points if p.usd_per_hour > cap):  # fmt: skip
+            checked += 1  # the answer is dominated by a point above the cap
+    assert checked >= 1
+
+
+def test_limits_no_plan_meets_are_named():
+    """Configurations were planned and none had a plan under the limits: an error naming
+    them (it was an empty front, 'no configuration can train this model', exit 0)."""
+    from hetplan.search.constraints import PlanConstraints
+    from hetplan.search.provision import provision
+
+    model, market = load_model("gpt2-medium"), _market()
+    with pytest.raises(InputError) as info:
+        provision(model, market, 1e9, 64, "fp16", limits=PlanConstraints(tp=(3,)))
+    assert info.value.field == "--tp" and "--tp 3" in info.value.reason
+    with pytest.raises(InputError) as info:
+        provision(model, market, 1e9, 64, "fp16",
+                  limits=PlanConstraints(tp=(3,), micro_batch=(1000,)))  # fmt: skip
+    assert info.value.field == "--tp, --micro-batch-size"
+    # no offer states a reserved price
+    with pytest.raises(InputError) as info:
+        provision(model, market, 1e9, 64, "fp16", pricing="reserved")
+    assert info.value.field == "--pricing"

@@ -24,10 +24,12 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from hetplan.cluster import Cluster
+from hetplan.cost.estimate_result import Estimate
 from hetplan.cost.params import CostParams, default_params
 from hetplan.errors import InputError
 from hetplan.market import Market, Offer, pricing_name
 from hetplan.model import ModelSpec
+from hetplan.plan import Plan
 from hetplan.search.constraints import PlanConstraints, homogeneous_space
 from hetplan.search.homogeneous import search_homogeneous
 from hetplan.search.homogeneous_candidates import SearchSpace
@@ -49,6 +51,7 @@ from hetplan.search.provision_points import (
 )
 from hetplan.search.spot import (
     SpotTerms,
+    best_spot_plan,
     checkpoint_floor_s,
     checkpoint_time_s,
     offer_load,
@@ -109,6 +112,7 @@ IMPOSSIBLE_REASONS = {
     "spot": "a spot run preempted faster than it progresses",
     "memory": "too little memory for the model's weights, gradients and optimizer states",
     "compute": "no GPU of the configuration computes (a rate of zero)",
+    "hourly_cap": "more per hour than --max-usd-per-hour",
 }
 """Why a configuration has no possible plan (the keys of ``impossible_by_reason``)."""
 
@@ -143,6 +147,9 @@ def _single_type(job: ProvisionJob, offer: Offer, points: list[Point]) -> tuple[
             continue
         n_gpus = nodes * offer.gpus_per_node
         usd_hour = price * n_gpus
+        if job.max_usd_per_hour is not None and usd_hour > job.max_usd_per_hour:
+            count_reason(job.impossible, "hourly_cap", 1)
+            continue
         it_lb = float(it_lbs[nodes])
         t_lb = iterations(job) * it_lb * slow
         if prune and dominated(t_lb, t_lb / 3600 * usd_hour, points):
@@ -151,16 +158,26 @@ def _single_type(job: ProvisionJob, offer: Offer, points: list[Point]) -> tuple[
         planned += 1
         job.tick(1, 0, points)
         cluster = Cluster(all_nodes[:nodes])
-        found = search_homogeneous(model, cluster, global_batch, precision, top_k=1,
-                                   params=params, space=space, flash_attention=flash,
-                                   memo=memo)  # fmt: skip
-        if not found.ranked:
-            continue
-        plan, est = found.ranked[0]
+
+        def ranked_by(k: int, cluster: Cluster = cluster) -> list[tuple[Plan, Estimate]]:
+            return search_homogeneous(model, cluster, global_batch, precision, top_k=k,
+                                      params=params, space=space, flash_attention=flash,
+                                      memo=memo).ranked  # fmt: skip
+
         if spot:  # the plan's own checkpoint time (its largest node's state)
-            slow = slowdowns(*load, terms, checkpoint_time_s(plan, model))
-            if math.isinf(slow):
+
+            def slowdown_of(p: Plan, load: tuple[float, float] = load) -> float:
+                return float(slowdowns(*load, terms, checkpoint_time_s(p, model)))
+
+            found = best_spot_plan(ranked_by, slowdown_of, slow)
+            if found is None:
                 continue
+            plan, est, slow = found
+        else:
+            ranked = ranked_by(1)
+            if not ranked:
+                continue
+            plan, est = ranked[0]
         t = tokens / est.tokens_per_s * slow
         points.append(
             Point(
@@ -215,6 +232,9 @@ def _within(c: Constraints) -> str:
 
 
 def _binding(front: list[Point], c: Constraints) -> str:
+    if not front and c.max_usd_per_hour is not None:
+        return (f"the hourly cap binds: no configuration within ${c.max_usd_per_hour:,.2f}"
+                "/hour can train this model")  # fmt: skip
     if not front:
         return "no configuration of the market can train this model"
     checks = [
@@ -289,6 +309,9 @@ def provision(
              {t.lower() for t in limits.gpu_types})
     ]  # fmt: skip
     left_out = [o.name for o in market.offers if not o.has_price(pricing)]
+    if len(left_out) == len(market.offers):
+        raise InputError("--spot" if spot else "--pricing",
+                         f"no offer of the market states a {pricing} price")  # fmt: skip
     if limits.gpu_types is not None:
         sold = {o.gpu.name.lower() for o in market.offers}
         for name in limits.gpu_types:
@@ -297,7 +320,8 @@ def provision(
     # GPU types filter the offers and max_gpus caps the counts: the clusters take the rest
     job = ProvisionJob(model, tokens, global_batch, precision, spot, params, terms, prune,
                        flash_attention, replace(limits, gpu_types=None, max_gpus=None),
-                       limits.max_gpus, progress, stop_at=stop_at, pricing=pricing)  # fmt: skip
+                       limits.max_gpus, progress, stop_at=stop_at, pricing=pricing,
+                       max_usd_per_hour=constraints.max_usd_per_hour)  # fmt: skip
     # cheapest effective FLOP first: the low-cost end of the front prunes the rest early
     offers.sort(key=lambda o: o.price(pricing) / max(offer_floor(job, o).rate_flops))
     left: list[Unexplored] = []
@@ -320,6 +344,12 @@ def provision(
         planned += a
         pruned += b
     front = pareto_front(points)  # every point carries its plan and estimate()
+    if not front and planned and job.limits.active:
+        # configurations were planned and none had a plan: the limits on plans did it
+        given = limits.relaxations()
+        raise InputError(", ".join(option for _, option, _ in given),
+                         "no configuration of the market has a plan that satisfies "
+                         + " ".join(limits.described()))  # fmt: skip
     best, why = recommend(front, objective, constraints)
     reasons = dict(job.impossible)
     return ProvisionResult(

@@ -6,14 +6,15 @@ with the heterogeneous search until every mix is planned or pruned (``explore_mi
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass
 
 import numpy as np
 
 from hetplan.cluster import Cluster
+from hetplan.cost.estimate_result import Estimate
 from hetplan.market import Offer
+from hetplan.plan import Plan
 from hetplan.search.provision_bounds import iteration_floor_s
 from hetplan.search.provision_points import (
     Point,
@@ -26,6 +27,7 @@ from hetplan.search.provision_points import (
 )
 from hetplan.search.provision_stages import mix_iteration_floor_s, mix_time_floor_s
 from hetplan.search.spot import (
+    best_spot_plan,
     checkpoint_floor_s,
     checkpoint_time_s,
     mixed_load,
@@ -93,6 +95,10 @@ def mix_grid(
             if job.max_gpus is not None:
                 ok &= total <= job.max_gpus
             count_reason(job.impossible, "max_gpus", int((~ok).sum()))
+            if job.max_usd_per_hour is not None:
+                capped = ok & (usd_hour > job.max_usd_per_hour)
+                count_reason(job.impossible, "hourly_cap", int(capped.sum()))
+                ok &= ~capped
             finishes = np.broadcast_to(np.isfinite(slow), total.shape)
             count_reason(job.impossible, "spot", int((ok & ~finishes).sum()))
             ok &= finishes
@@ -176,17 +182,27 @@ def explore_mixes(
         a, b = pairs[int(grid.pair[q])]
         na, nb = int(grid.na[q]), int(grid.nb[q])
         cluster = job.limits.apply_to_cluster(mix_cluster(a, na, b, nb, job.pricing))
-        res = search_heterogeneous(model, cluster, global_batch, precision, 1, params, flash,
-                                   job.limits, cache=cache)  # fmt: skip
-        if not res.ranked:
-            continue
-        plan, est = res.ranked[0]
-        slow = 1.0
+
+        def ranked_by(k: int, cluster: Cluster = cluster) -> list[tuple[Plan, Estimate]]:
+            return search_heterogeneous(model, cluster, global_batch, precision, k, params,
+                                        flash, job.limits, cache=cache).ranked  # fmt: skip
+
         if spot:  # the plan's own checkpoint time (its largest node's state)
             load = mixed_load([offer_load(a, na, job.terms), offer_load(b, nb, job.terms)])
-            slow = slowdowns(*load, job.terms, checkpoint_time_s(plan, model))
-            if math.isinf(slow):
+
+            def slowdown_of(p: Plan, load: tuple[float, float] = load) -> float:
+                return float(slowdowns(*load, job.terms, checkpoint_time_s(p, model)))
+
+            found = best_spot_plan(ranked_by, slowdown_of, float(grid.slow[q]))
+            if found is None:
                 continue
+            plan, est, slow = found
+        else:
+            ranked = ranked_by(1)
+            if not ranked:
+                continue
+            plan, est = ranked[0]
+            slow = 1.0
         # the whole rented cluster is paid for, even GPUs the best plan leaves idle
         rented = float(grid.usd_hour[q])
         t = tokens / est.tokens_per_s * slow

@@ -31,13 +31,20 @@ from hetplan.search.provision_bounds import TypeFloor, iteration_floor_s, type_f
 from hetplan.search.provision_points import (
     Point,
     ProvisionJob,
+    count_reason,
     dominated,
     front_cost,
     gpus_label,
     iterations,
     offer_floor,
 )
-from hetplan.search.spot import checkpoint_floor_s, checkpoint_time_s, offer_load, slowdowns
+from hetplan.search.spot import (
+    best_spot_plan,
+    checkpoint_floor_s,
+    checkpoint_time_s,
+    offer_load,
+    slowdowns,
+)
 
 
 def owned_usd_per_hour(owned: Cluster) -> float:
@@ -50,20 +57,21 @@ def owned_usd_per_hour(owned: Cluster) -> float:
 
 
 def _plan(
-    job: ProvisionJob, cluster: Cluster, cache: SearchCache | None = None
-) -> tuple[Plan, Estimate] | None:
+    job: ProvisionJob, cluster: Cluster, cache: SearchCache | None = None, top_k: int = 1
+) -> list[tuple[Plan, Estimate]]:
+    """Returns the ``top_k`` best plans of ``cluster`` by iteration time."""
     from hetplan.search.heterogeneous import search_heterogeneous
     from hetplan.search.homogeneous import search_homogeneous
 
     if cluster.is_homogeneous():
         space = homogeneous_space(job.limits, PROVISION_SPACE)
-        res = search_homogeneous(job.model, cluster, job.global_batch, job.precision, top_k=1,
-                                 params=job.params, space=space,
+        res = search_homogeneous(job.model, cluster, job.global_batch, job.precision,
+                                 top_k=top_k, params=job.params, space=space,
                                  flash_attention=job.flash)  # fmt: skip
-        return res.ranked[0] if res.ranked else None
-    het = search_heterogeneous(job.model, cluster, job.global_batch, job.precision, 1,
+        return res.ranked
+    het = search_heterogeneous(job.model, cluster, job.global_batch, job.precision, top_k,
                                job.params, job.flash, job.limits, cache=cache)  # fmt: skip
-    return het.ranked[0] if het.ranked else None
+    return het.ranked
 
 
 def owned_subsets(owned: Cluster) -> list[Cluster]:
@@ -152,15 +160,24 @@ def owned_first(
         nonlocal planned
         planned += 1
         job.tick(1, 0, points)
-        found = _plan(job, c.cluster, cache)
-        if found is None:
-            return
-        plan, est = found
-        slow = 1.0
-        if c.load is not None:
-            slow = slowdowns(*c.load, job.terms, checkpoint_time_s(plan, job.model))
-            if math.isinf(slow):
+        if c.load is not None:  # on spot, the plan that trains fastest with its own checkpoint
+            load = c.load
+            least = checkpoint_floor_s(job.model, len(c.cluster.nodes))
+            floor = slowdowns(*load, job.terms, least, True)
+            found = best_spot_plan(
+                lambda k: _plan(job, c.cluster, cache, k),
+                lambda p: float(slowdowns(*load, job.terms, checkpoint_time_s(p, job.model))),
+                float(floor),
+            )
+            if found is None:
                 return
+            plan, est, slow = found
+        else:
+            ranked = _plan(job, c.cluster, cache)
+            if not ranked:
+                return
+            plan, est = ranked[0]
+            slow = 1.0
         t = job.tokens / est.tokens_per_s * slow
         points.append(Point(dict(c.rented), job.spot, t, t / 3600 * c.usd_hour, c.usd_hour,
                             plan, est, c.cluster, c.t_lb, dict(c.owned),
@@ -203,6 +220,10 @@ def owned_first(
                 t_lb = bound(cluster, load, it)
                 configs.append(_Config(cluster, {offer.gpu.name: gpus}, usd_hour, load, t_lb,
                                        owned_gpus))  # fmt: skip
+    if job.max_usd_per_hour is not None:  # above the cap: never planned, prunes nothing
+        capped = [c for c in configs if c.usd_hour > job.max_usd_per_hour]
+        count_reason(job.impossible, "hourly_cap", len(capped))
+        configs = [c for c in configs if c.usd_hour <= job.max_usd_per_hour]
     configs = [c for c in configs if math.isfinite(c.t_lb)]
     # the owned nodes alone first (one kind of GPU: the quick homogeneous search), then the
     # live configuration closest to the front (smallest ratio of its cost bound to the

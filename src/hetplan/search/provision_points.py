@@ -104,6 +104,10 @@ class ProvisionJob:
     pricing: str = "on-demand"
     """The price every offer is rented at (``market.PRICINGS``); spot also means
     preemptions (``spot``)."""
+    max_usd_per_hour: float | None = None
+    """No configuration costs more an hour (--max-usd-per-hour): a configuration above the
+    cap is never planned, so it prunes none below it (a point dominated overall may be the
+    best one under the cap)."""
 
     def tick(self, planned: int, pruned: int, best: list[Point]) -> None:
         """Counts configurations and tells ``progress`` (best: the fastest time to train)."""

@@ -15,6 +15,8 @@ a preemption rate) and by the trace replay of ``hetplan spot simulate`` (which c
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -181,3 +183,38 @@ def spot_slowdown(offer: Offer, nodes: int, terms: SpotTerms, checkpoint_s: floa
     """
     per_s, fixed = offer_load(offer, nodes, terms)
     return float(slowdowns(per_s, fixed, terms, checkpoint_s))
+
+
+SPOT_RANKS = 4
+"""Plans ``best_spot_plan`` asks the search for first (then four times as many a round)."""
+
+
+def best_spot_plan(
+    ranked_by: Callable[[int], list[tuple[Plan, Any]]],
+    slowdown_of: Callable[[Plan], float],
+    floor: float,
+) -> tuple[Plan, Any, float] | None:
+    """Returns the plan whose iteration time x its own slowdown (its checkpoint: its
+    largest node's state) is least, with its estimate and slowdown; None if none finishes.
+
+    ``ranked_by(k)`` returns a search's k best plans by iteration time (fewer: all there
+    are); ``floor`` is at most any plan's slowdown (``checkpoint_floor_s``'s). The fastest
+    iteration need not train fastest on spot: a plan with more stages checkpoints less per
+    node. Plans come fastest first, so once the k-th iteration time x ``floor`` reaches
+    the best product, no later plan can beat it; else the search is asked for more."""
+    k = SPOT_RANKS
+    while True:
+        ranked = ranked_by(k)
+        best: tuple[float, Plan, Any, float] | None = None
+        for plan, est in ranked:
+            slow = slowdown_of(plan)
+            if math.isinf(slow):
+                continue
+            value = est.iteration_time_s * slow
+            if best is None or value < best[0]:
+                best = (value, plan, est, slow)
+        if len(ranked) < k or (
+            best is not None and ranked[-1][1].iteration_time_s * floor >= best[0]
+        ):
+            return None if best is None else best[1:]
+        k *= 4
