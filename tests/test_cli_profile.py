@@ -112,6 +112,32 @@ def test_not_a_database_is_refused(tmp_path):
     assert "Traceback" not in res.stderr and bogus.read_text() == "not sqlite"
 
 
+def test_launch_and_profile_check_their_db_as_predict_does(tmp_path):
+    """launch --db names an existing profile (a missing one was ignored in silence, a text
+    file a traceback); profile --db adds to a database or creates it, never a text file;
+    profile --reps is at least 1."""
+    examples = Path(__file__).parent.parent / "examples"
+    tiny = str(examples / "models" / "tiny-gpt" / "config.json")
+    cpu2 = str(examples / "clusters" / "cpu2.yaml")
+    bogus = tmp_path / "notes.txt"
+    bogus.write_text("not sqlite")
+    runs = [
+        (["launch", "p.json", "--model", tiny, "--cluster", cpu2, "--db", str(bogus)],
+         "--db", "not an SQLite profile database"),
+        (["launch", "p.json", "--model", tiny, "--cluster", cpu2, "--db", "none.sqlite"],
+         "--db", "no such file"),
+        (["profile", "--device", "cpu", "--model", tiny, "--db", str(bogus)],
+         "--db", "not an SQLite profile database"),
+        (["profile", "--device", "cpu", "--model", tiny, "--reps", "0"], "--reps", "at least one"),
+    ]  # fmt: skip
+    for args, option, reason in runs:
+        res = run(*args)
+        assert res.returncode == 2, res.stderr
+        lines = res.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith(f"error: {option}:") and reason in lines[0]
+    assert bogus.read_text() == "not sqlite"
+
+
 def test_env_profile_gives_the_hand_computed_iteration(tiny):
     config, path = tiny
     res = run(*predict_args(config, "--json"), env={"HETPLAN_PROFILE": str(path)})

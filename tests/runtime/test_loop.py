@@ -65,6 +65,15 @@ def test_keep_two_and_measured_figures(
     assert res.returncode == 2
     assert res.stderr.strip().count("\n") == 0 and "global_batch_size" in res.stderr
     assert "trained with 8" in res.stderr and "Traceback" not in res.stderr
+    # refused before any process starts, the folder left as it was: a new run into it
+    # (its steps would mix with these, 'latest' moving back), a resume with nothing left to
+    # train, a resume with another seed (another data order and dropout)
+    for kw, field in (({}, "--checkpoint-dir"), ({"resume": True, "steps": 4}, "--steps"),
+                      ({"resume": True, "steps": 6, "seed": 5}, "--seed")):  # fmt: skip
+        with pytest.raises(InputError) as info:
+            preflight(_cfg(plan, inputs, root, **kw))
+        assert info.value.field == field, info.value
+    assert [s for s, _ in ckpt.step_dirs(root)] == [3, 4]
 
 
 def test_resume_with_another_global_batch_exits_2(
@@ -97,6 +106,13 @@ def test_option_and_plan_refusals_name_the_field(
     plan = write_plan(tmp_path / "p.json", ASYM)
     with pytest.raises(InputError, match="--dropout"):
         preflight(_cfg(plan, inputs, tmp_path / "c", dropout=1.5))
+    for kw, field in (({"lr": -1.0}, "--lr"), ({"lr": float("nan")}, "--lr"),
+                      ({"lr_warmup_steps": -3}, "--lr-warmup-steps"),
+                      ({"min_lr_ratio": -1.0}, "--min-lr-ratio"), ({"threads": -1}, "--threads"),
+                      ({"checkpoint_every": -2}, "--checkpoint-every")):  # fmt: skip
+        with pytest.raises(InputError) as info:
+            preflight(_cfg(plan, inputs, tmp_path / "c", **kw))
+        assert info.value.field == field
     # ZeRO-3 on unequal replicas runs (deferred sync, runtime/fsdp.py); unequal TP does not
     preflight(_cfg(write_plan(tmp_path / "z.json", ASYM, zero_stage=3), inputs, tmp_path / "c"))
     for zero in (1, 3):
@@ -225,6 +241,7 @@ def test_bad_data_files_exit_2_with_one_line(
         "big.bin": (np.append(ids, 64).astype(np.uint16).tobytes(), "token id 64, beyond"),
         "short.bin": (ids[:128].tobytes(), r"holds 128 tokens, fewer than one global batch"),
         "short.txt": (b"x" * 300, "byte-level tokens need a vocabulary >= 256, model has 64"),
+        "empty.bin": (b"", "holds 0 tokens, fewer than one global batch"),
     }
     for name, (data, _) in bad.items():
         (tmp_path / name).write_bytes(data)
@@ -262,6 +279,23 @@ def test_dropout_option_reaches_the_model(
     assert abs(record["steps"][0]["loss"] / losses[0] - 1) > 1e-4
 
 
+@pytest.mark.distributed
+def test_a_resumed_run_draws_the_same_dropout_masks(
+    tmp_path: Path, inputs: dict[str, Path], write_plan: Any
+) -> None:
+    """Masks come from (seed, replica, stage, step): 2 steps and a resume to 4 give the
+    uninterrupted run's losses (the generator was seeded once, so a resumed run drew the
+    first steps' masks again: 5.1789 for 5.1808 in a 6-step run)."""
+    plan = write_plan(tmp_path / "p.json", [(4, [(4, [0])]), (4, [(4, [1])])])
+    whole = run_local(_cfg(plan, inputs, tmp_path / "a", steps=4, dropout=0.3))
+    run_local(_cfg(plan, inputs, tmp_path / "b", steps=2, dropout=0.3))
+    resumed = run_local(_cfg(plan, inputs, tmp_path / "b", steps=4, dropout=0.3, resume=True))
+    want = [s["loss"] for s in whole["steps"]][2:]
+    got = [s["loss"] for s in resumed["steps"]]
+    assert [s["step"] for s in resumed["steps"]] == [3, 4]
+    assert got == pytest.approx(want, rel=1e-12, abs=0)
+
+
 def test_learning_rate_schedule_by_hand() -> None:
     from hetplan.runtime.optim_config import OptimConfig, clip_coefficient, lr_at
 
@@ -279,12 +313,15 @@ def test_data_convert_bytes_and_refusals(tmp_path: Path) -> None:
     import numpy as np
 
     text = tmp_path / "t.txt"
-    text.write_text("héllo\nworld\n")
+    # the file's bytes, every one: CR LF and a byte that is not UTF-8 too (launch --data
+    # reads a text file so; they were once decoded, dropping the CR and writing U+FFFD)
+    raw = "héllo\r\nworld\n".encode() + b"\xe9\n"
+    text.write_bytes(raw)
     res = _cli("data", "convert", str(text), "--out", str(tmp_path / "t.bin"), "--json")
     assert res.returncode == 0, res.stderr
-    assert json.loads(res.stdout)["tokens"] == len("héllo\nworld\n".encode())
+    assert json.loads(res.stdout)["tokens"] == len(raw)
     ids = np.fromfile(tmp_path / "t.bin", dtype="<u2")
-    assert bytes(ids.astype(np.uint8)) == "héllo\nworld\n".encode()
+    assert bytes(ids.astype(np.uint8)) == raw
     bad = _cli("data", "convert", str(text), "--out", str(tmp_path / "t.txt2"))
     assert bad.returncode == 2 and "--out" in bad.stderr and bad.stderr.count("\n") == 1
     if importlib.util.find_spec("tokenizers") is None:

@@ -30,10 +30,11 @@ TF32_NOTE = (
 )
 
 
-def open_profile(profile_path: Path | None) -> Any:
+def open_profile(profile_path: Path | None, option: str = "--profile") -> Any:
     """Returns the ProfileDB at ``profile_path`` (else at $HETPLAN_PROFILE), or None.
 
-    The path must name an existing SQLite file: opening a profile never creates one."""
+    The path must name an existing SQLite file: opening a profile never creates one.
+    ``option`` names the path in messages."""
     origin = ""
     if profile_path is None:
         env = os.environ.get(PROFILE_ENV, "").strip()
@@ -41,16 +42,16 @@ def open_profile(profile_path: Path | None) -> Any:
             return None
         profile_path, origin = Path(env), f" (from ${PROFILE_ENV})"
     if not profile_path.is_file():
-        raise InputError("--profile", f"no such file: {profile_path}{origin}")
+        raise InputError(option, f"no such file: {profile_path}{origin}")
     try:
         with profile_path.open("rb") as fh:
             head = fh.read(16)
     except OSError as exc:
         raise InputError(
-            "--profile", f"cannot read {profile_path}{origin}: {exc.strerror}"
+            option, f"cannot read {profile_path}{origin}: {exc.strerror}"
         ) from None
     if not head.startswith(b"SQLite format 3"):
-        raise InputError("--profile", f"{profile_path}{origin} is not an SQLite profile database")
+        raise InputError(option, f"{profile_path}{origin} is not an SQLite profile database")
     import importlib
     import sqlite3
 
@@ -61,7 +62,7 @@ def open_profile(profile_path: Path | None) -> Any:
     try:
         return module.ProfileDB(profile_path)
     except sqlite3.Error as exc:
-        raise InputError("--profile", f"cannot open {profile_path}{origin}: {exc}") from None
+        raise InputError(option, f"cannot open {profile_path}{origin}: {exc}") from None
 
 
 def load_cost(params_path: Path | None, profile_path: Path | None) -> CostParams:

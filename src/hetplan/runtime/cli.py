@@ -130,6 +130,10 @@ def launch(
 
     if seq_len is not None and seq_len <= 0:
         raise InputError("--seq-len", "must be positive")
+    if db is not None:  # a profile named must exist and be one (predict's --profile rule)
+        from hetplan.commands.common import open_profile
+
+        open_profile(db, "--db")
     tmp_plan = tempfile.TemporaryDirectory(prefix="hetplan-plan-")
     plan = _override_plan(
         plan,
@@ -281,6 +285,12 @@ def profile(
     from hetplan.model import load_model
 
     spec = load_model(model)
+    if reps < 1:
+        raise InputError("--reps", f"{reps}: at least one timed repetition")
+    if db is not None and db.exists():  # added to: it must be a profile database
+        from hetplan.commands.common import open_profile
+
+        open_profile(db, "--db")
     mbs, tps = _ints(micro_batch_sizes, "--micro-batch-sizes"), _ints(tp, "--tp")
     for t in tps:
         if spec.heads % t or spec.kv_heads % t or spec.ffn % t:

@@ -147,4 +147,6 @@ def open_tokens(path: Path, vocab: int) -> Any:
         raise InputError(
             "--data", f"{path.name} is {size} bytes, not a whole number of {dtype} token ids"
         )
+    if size == 0:  # numpy cannot map an empty file
+        return np.zeros(0, dtype=dtype)
     return np.memmap(path, dtype=dtype, mode="r")

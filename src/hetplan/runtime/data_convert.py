@@ -28,7 +28,7 @@ CHUNK_BYTES = 1 << 20
 
 def _encoder(tokenizer: Path | None) -> tuple[Any, int]:
     """Returns (encode function, vocabulary size)."""
-    if tokenizer is None:
+    if tokenizer is None:  # bytes: read as bytes by ``convert_text``
         return (lambda text: list(text.encode("utf-8"))), 256
     if tokenizer.is_dir():
         tokenizer = tokenizer / "tokenizer.json"
@@ -76,6 +76,17 @@ def convert_text(src: Path, out: Path, tokenizer: Path | None = None) -> dict[st
     if suffix == ".bin" and dtype == "uint32":
         raise InputError("--out", f"a vocabulary of {vocab} needs uint32 ids: name it .u32")
     count = 0
+    if tokenizer is None:  # the file's bytes, every one (as launch --data reads a text)
+        with (
+            src.open("rb") as fb,
+            output_file(out, "--out", fsync=True) as tmp,
+            tmp.open("wb") as w,
+        ):
+            for chunk in iter(lambda: fb.read(CHUNK_BYTES), b""):
+                ids = np.frombuffer(chunk, dtype=np.uint8).astype("<u2")
+                ids.tofile(w)
+                count += len(ids)
+        return {"out": str(out), "tokens": count, "dtype": dtype, "vocab": vocab}
     with (
         src.open("r", encoding="utf-8", errors="replace") as f,
         output_file(out, "--out", fsync=True) as tmp,

@@ -45,7 +45,7 @@ def preflight(cfg: RunConfig) -> Checked:
     check_runtime_plan(plan, model, cluster)
     device = resolve_device(cfg.device)
     check_plan_support(plan, model, build_layout(plan, model, cluster), device)
-    check_run_options(cfg.dropout, cfg.grad_clip, cfg.weight_decay, cfg.keep)
+    check_run_options(cfg)
     if cfg.steps <= 0:
         raise InputError("--steps", "must be positive")
     if cfg.data is not None:
@@ -62,13 +62,22 @@ def preflight(cfg: RunConfig) -> Checked:
             raise InputError("--resume", "needs --checkpoint-dir")
         man = ckpt.verify_checkpoint(Path(cfg.checkpoint_dir), model)
         ckpt.check_batch(man, plan.global_batch_size, cfg.allow_batch_change)
+        if cfg.steps <= man.step:
+            raise InputError("--steps", f"the checkpoint is at step {man.step}: "
+                             f"{cfg.steps} steps leave nothing to train")  # fmt: skip
+        if man.seed != cfg.seed:  # the data order and dropout follow the seed
+            raise InputError("--seed", f"checkpoint {man.path.name} was trained with seed "
+                             f"{man.seed}, not {cfg.seed}")  # fmt: skip
         resume_step = man.step
-    elif (
-        cfg.checkpoint_dir
-        and Path(cfg.checkpoint_dir).exists()
-        and not Path(cfg.checkpoint_dir).is_dir()
-    ):
-        raise InputError("--checkpoint-dir", f"{cfg.checkpoint_dir} is not a directory")
+    elif cfg.checkpoint_dir and Path(cfg.checkpoint_dir).exists():
+        root = Path(cfg.checkpoint_dir)
+        if not root.is_dir():
+            raise InputError("--checkpoint-dir", f"{root} is not a directory")
+        held = ckpt.step_dirs(root)
+        if held and not cfg.local_dir:  # a new run would mix its steps with the old run's
+            last = held[-1][0]
+            raise InputError("--checkpoint-dir", f"{root} holds checkpoints up to step "
+                             f"{last}: --resume to continue, or name another folder")  # fmt: skip
     devices = device_order(plan, cluster)
     nodes: dict[str, int] = {}
     for d in devices:

@@ -3,10 +3,16 @@ process starts, with one line naming the field (no torch needed for the plan che
 
 from __future__ import annotations
 
+import math
+from typing import TYPE_CHECKING
+
 from hetplan.errors import InputError
 from hetplan.model import ModelSpec
 from hetplan.plan import PRECISIONS, RECOMPUTE, Plan
 from hetplan.runtime.layout import RuntimeLayout
+
+if TYPE_CHECKING:
+    from hetplan.runtime.config import RunConfig
 
 
 def resolve_device(name: str) -> str:
@@ -59,8 +65,21 @@ def check_plan_support(plan: Plan, model: ModelSpec, layout: RuntimeLayout, devi
                 )
 
 
-def check_run_options(dropout: float, grad_clip: float, weight_decay: float, keep: int) -> None:
+def check_run_options(cfg: RunConfig) -> None:
     """Raises InputError for a training option out of range."""
+    dropout, grad_clip, weight_decay, keep = cfg.dropout, cfg.grad_clip, cfg.weight_decay, cfg.keep
+    if not (math.isfinite(cfg.lr) and cfg.lr > 0):
+        raise InputError("--lr", f"{cfg.lr} is not a positive learning rate")
+    if cfg.lr_warmup_steps < 0:
+        raise InputError("--lr-warmup-steps", f"{cfg.lr_warmup_steps} is negative")
+    if cfg.lr_decay_steps < 0:
+        raise InputError("--lr-decay-steps", f"{cfg.lr_decay_steps} is negative")
+    if not 0.0 <= cfg.min_lr_ratio <= 1.0:
+        raise InputError("--min-lr-ratio", f"{cfg.min_lr_ratio} is not in [0, 1]")
+    if cfg.threads < 0:
+        raise InputError("--threads", f"{cfg.threads} is negative (0: torch's default)")
+    if cfg.checkpoint_every < 0:
+        raise InputError("--checkpoint-every", f"{cfg.checkpoint_every} is negative")
     if not 0.0 <= dropout < 1.0:
         raise InputError("--dropout", f"{dropout} is not in [0, 1)")
     if grad_clip < 0:

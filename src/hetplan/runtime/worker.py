@@ -97,8 +97,10 @@ class Trainer:
 
             # with a multi-stage pipeline: gathered once, synced at the last backward
             shard_layers(list(self.modules), self.sync, self.device, deferred_sync(plan))
-        # dropout masks: equal on a stage's TP ranks (they hold the same activations)
-        torch.manual_seed(cfg.seed * 1_000_003 + 7919 * place.replica + place.stage + 1)
+        # dropout masks: equal on a stage's TP ranks (they hold the same activations), and
+        # drawn afresh each step from (seed, replica, stage, step), so a resumed run draws
+        # the masks the uninterrupted run drew (``train_step``)
+        self.dropout_seed = cfg.seed * 1_000_003 + 7919 * place.replica + place.stage + 1
         self.params: list[LocalParam] = local_params(list(self.modules))
         self.scaler = LossScaler(plan.precision == "fp16")
         self.opt = PlanOptimizer(
@@ -169,6 +171,7 @@ class Trainer:
         inputs, targets = self.data.batch(self.position + place.batch_offset, place.batch_size)
         self.opt.zero_grad()
         scale = self.scaler.scale
+        torch.manual_seed(self.dropout_seed + 104_729 * self.step)
         with self.meter.step():
             local = run_step(self.sched, place, inputs.to(self.device), targets.to(self.device))
         info = self.opt.step(self.step + 1)
