@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import os
-import shutil
+import inspect
 import subprocess
 import sys
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import typer
 from rich.console import Console
@@ -25,10 +24,33 @@ def _parse_kwargs(text: str | None) -> dict[str, int]:
     out: dict[str, int] = {}
     for part in filter(None, (text or "").split(",")):
         key, _, value = part.partition("=")
-        if not value.strip().isdigit():
+        if not key.strip().isidentifier() or not value.strip().isdigit():
             raise InputError("--inputs", f"'{part}' is not NAME=INT (e.g. batch=16,seq=128)")
+        if int(value) <= 0:
+            raise InputError("--inputs", f"'{part}': sizes are positive")
         out[key.strip()] = int(value)
     return out
+
+
+def build_example(module: str, inputs: str | None) -> tuple[Any, Any]:
+    """Returns the factory's (module, example inputs) for ``--inputs``; a name the factory
+    does not take, or values it refuses, are errors naming --inputs."""
+    from hetplan.spmd.execute import load_factory
+
+    factory = load_factory(module)
+    kwargs = _parse_kwargs(inputs)
+    try:
+        inspect.signature(factory).bind(**kwargs)
+    except TypeError as exc:
+        raise InputError("--inputs", f"{module} takes no such arguments: {exc}") from None
+    except ValueError:  # no signature to read (a builtin): the call says
+        pass
+    try:
+        return factory(**kwargs)
+    except (TypeError, ValueError, ArithmeticError) as exc:
+        raise InputError(
+            "--inputs", f"{module} refused {inputs or 'its defaults'}: {exc}"
+        ) from None
 
 
 def plan_module(
@@ -37,14 +59,23 @@ def plan_module(
     """Returns the synthesis for a factory 'pkg.mod:fn' on a cluster spec."""
     from hetplan.spmd.capture import capture
     from hetplan.spmd.costmodel import devices_from_cluster
-    from hetplan.spmd.execute import load_factory
     from hetplan.spmd.synth import synthesize
 
-    factory = load_factory(module)
-    mod, example = factory(**_parse_kwargs(inputs))
+    mod, example = build_example(module, inputs)
     cap = capture(mod, example, meta=True)
     devs = devices_from_cluster(load_cluster(cluster), precision)
     return synthesize(cap, devs)
+
+
+def _per_rank(text: str, option: str, kind: Any, ok: Any) -> None:
+    """Raises unless ``text`` is empty or a comma list of ``kind`` values passing ``ok``."""
+    for part in filter(None, text.split(",")):
+        try:
+            value = kind(part)
+        except ValueError:
+            raise InputError(option, f"'{part}' is not a number (e.g. 2,1)") from None
+        if not ok(value):
+            raise InputError(option, f"'{part}' is out of range")
 
 
 @app.command()
@@ -108,10 +139,21 @@ def run(
     program: str = typer.Option("synth", "--program", help="synth, dp-ev or dp-cp"),
 ) -> None:
     """Train with the synthesised program under torchrun (gloo on CPU, NCCL on CUDA)."""
-    n = nproc or load_cluster(cluster).num_gpus
-    torchrun = shutil.which("torchrun") or os.path.join(os.path.dirname(sys.executable), "torchrun")
+    devices = load_cluster(cluster).num_gpus
+    n = nproc or devices
+    if not 1 <= n <= devices:
+        raise InputError("--nproc", f"{n}: one rank per device, 1 to the cluster's {devices}")
+    if steps < 1:
+        raise InputError("--steps", f"{steps}: at least one step")
+    _per_rank(threads, "--threads", int, lambda v: v >= 0)
+    _per_rank(duty, "--duty", float, lambda v: 0 < v <= 1)
+    if program not in ("synth", "dp-ev", "dp-cp"):
+        raise InputError("--program", f"'{program}' is not synth, dp-ev or dp-cp")
+    build_example(module, inputs)  # the module and its inputs, checked before any rank starts
     cmd = [
-        torchrun,
+        sys.executable,  # this environment's torch, not whichever torchrun PATH finds first
+        "-m",
+        "torch.distributed.run",
         f"--nproc-per-node={n}",
         "--master-addr=127.0.0.1",
         "-m",
@@ -129,7 +171,5 @@ def run(
         cmd += ["--threads", threads]
     if duty:
         cmd += ["--duty", duty]
-    if program not in ("synth", "dp-ev", "dp-cp"):
-        raise InputError("--program", f"'{program}' is not synth, dp-ev or dp-cp")
     cmd += ["--program", program]
     raise typer.Exit(subprocess.call(cmd))

@@ -12,10 +12,10 @@ from hetplan.cluster import load_cluster
 from hetplan.runtime.teardown import leave_and_exit
 from hetplan.spmd import throttle
 from hetplan.spmd.capture import capture
-from hetplan.spmd.cli import _parse_kwargs
+from hetplan.spmd.cli import build_example
 from hetplan.spmd.codegen import build_rank_module, shard_inputs
 from hetplan.spmd.costmodel import devices_from_cluster
-from hetplan.spmd.execute import env_rank, load_factory, train_step
+from hetplan.spmd.execute import env_rank, train_step
 from hetplan.spmd.program import Program
 from hetplan.spmd.synth import plan_at, synthesize
 
@@ -41,7 +41,7 @@ def main() -> None:
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     dist.init_process_group(backend)
     torch.manual_seed(0)
-    module, inputs = load_factory(args.module)(**_parse_kwargs(args.inputs))
+    module, inputs = build_example(args.module, args.inputs)
     cap = capture(module, inputs)
     box = [None]
     if rank == 0:
