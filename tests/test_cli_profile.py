@@ -246,6 +246,17 @@ def test_predict_plan_flags_and_overrides_of_a_plan_file(tmp_path):
     again = json.loads(res.stdout)["plan"]
     assert again["flash_attention"] and again["zero_stage"] == 1
     assert again["overlap_tp_comm"] and not again["overlap_grad_reduce"]
+    # the micro-batch is overridden too; the degrees and batch shares are the file's: beside
+    # it they are refused (they were once dropped in silence)
+    res = run("predict", *args, "--plan", str(path), "--micro-batch-size", "2", "--json")
+    assert res.returncode == 0 and json.loads(res.stdout)["plan"]["micro_batch_size"] == 2
+    for flag, value in (("--tp", "1"), ("--pp", "2"), ("--dp", "2"), ("-b", "8"),
+                        ("--micro-batch-size", "3")):  # fmt: skip
+        res = run("predict", *args, "--plan", str(path), flag, value)
+        lines = res.stderr.strip().splitlines()
+        assert res.returncode == 2 and len(lines) == 1, res.stderr
+        name = "--global-batch-size" if flag == "-b" else flag
+        assert lines[0].startswith(f"error: {name}:"), lines
 
 
 def test_fp32_on_a100_prints_the_tf32_note_once():

@@ -85,3 +85,24 @@ def test_distributed_optimizer_gathers_parameters_under_compute_only_when_it_red
     assert "--overlap-param-gather" not in megatron_args(plain, model)
     blocking = replace(sharded, overlap_grad_reduce=False)
     assert "--overlap-param-gather" not in megatron_args(blocking, model)
+
+
+def test_export_refuses_a_plan_whose_layers_are_not_the_models(tmp_path):
+    """30 layers for a 32-layer model: export wrote --num-layers=32 beside first/last stages
+    of 10 and 20; the model alone says no (one line, exit 2, nothing written)."""
+    import json
+    import subprocess
+    import sys
+
+    plan = tmp_path / "bad.json"
+    stages = [{"layers": 10, "devices": ["a100-0:0"]}, {"layers": 20, "devices": ["a100-0:1"]}]
+    plan.write_text(json.dumps({"global_batch_size": 8,
+                                "pipelines": [{"batch_size": 8, "stages": stages}]}))  # fmt: skip
+    out = tmp_path / "args.sh"
+    cmd = [sys.executable, "-m", "hetplan", "export", str(plan), "-m", "gpt3-6.7b"]
+    cmd += ["--out", str(out)]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2
+    want = "error: pipelines[0].stages: layers sum to 30, but gpt3-6.7b has 32"
+    assert res.stderr.strip() == want
+    assert not out.exists()

@@ -325,8 +325,10 @@ def check_chunks(stage: Stage, v: int, where: str) -> None:
         )
 
 
-def validate_plan(plan: Plan, model: ModelSpec, cluster: Cluster) -> None:
-    """Raises InputError unless the plan places the model on the cluster's devices."""
+def check_plan_model(plan: Plan, model: ModelSpec) -> None:
+    """Raises InputError unless the plan fits the model whatever the cluster: its form,
+    every pipeline's layers summing to the model's, TP degrees dividing the heads and the
+    FFN, layers splitting into the stated chunks (``export`` has no cluster to check)."""
     check_plan_form(plan)
     for i, pipe in enumerate(plan.pipelines):
         layers = sum(s.layers for s in pipe.stages)
@@ -337,10 +339,6 @@ def validate_plan(plan: Plan, model: ModelSpec, cluster: Cluster) -> None:
             )
         for j, stage in enumerate(pipe.stages):
             where = f"pipelines[{i}].stages[{j}].devices"
-            nodes = {cluster.device_node(d).name for d in stage.devices}
-            if len(nodes) > 1:
-                spans = ", ".join(sorted(nodes))
-                raise InputError(where, f"a tensor-parallel group spans nodes {spans}")
             tp = stage.tp
             if model.heads % tp or (model.kv_heads % tp and tp % model.kv_heads):
                 raise InputError(where, f"tensor-parallel degree {tp} does not divide the heads")
@@ -353,6 +351,18 @@ def validate_plan(plan: Plan, model: ModelSpec, cluster: Cluster) -> None:
                     f"{stage.layers} layers do not split evenly into {plan.virtual_stages} "
                     "chunks (state them with 'chunks', e.g. [4, 3])",
                 )
+
+
+def validate_plan(plan: Plan, model: ModelSpec, cluster: Cluster) -> None:
+    """Raises InputError unless the plan places the model on the cluster's devices."""
+    check_plan_model(plan, model)
+    for i, pipe in enumerate(plan.pipelines):
+        for j, stage in enumerate(pipe.stages):
+            where = f"pipelines[{i}].stages[{j}].devices"
+            nodes = {cluster.device_node(d).name for d in stage.devices}
+            if len(nodes) > 1:
+                spans = ", ".join(sorted(nodes))
+                raise InputError(where, f"a tensor-parallel group spans nodes {spans}")
             gpu = cluster.device_node(stage.devices[0]).gpu
             if not gpu.supports(plan.precision):
                 raise InputError("precision", f"{gpu.name} has no {plan.precision} support")

@@ -110,9 +110,10 @@ def predict(
     """Predict iteration time, memory, throughput and price of one plan.
 
     With --plan, the plan options given explicitly override the file's fields:
-    --precision, --recompute, --schedule, --virtual-stages, --zero-stage and the
-    --sequence-parallel, --flash-attention, --overlap-tp-comm, --overlap-grad-reduce
-    switches (and their --no- forms)."""
+    --precision, --micro-batch-size, --recompute, --schedule, --virtual-stages, --zero-stage
+    and the --sequence-parallel, --flash-attention, --overlap-tp-comm, --overlap-grad-reduce
+    switches (and their --no- forms); --tp, --pp, --dp and --global-batch-size are the file's
+    devices and batch shares, refused beside it."""
     require_matplotlib("--timeline", timeline)
     check_output(trace, "--trace")
     spec = load_model(model, seq_len)
@@ -135,7 +136,18 @@ def predict(
     if plan_path is not None:
         if layout is not None:
             raise InputError("--layout", "applies to --tp/--pp/--dp; a plan file states 'chunks'")
+        for name, value in (("--tp", tp), ("--pp", pp), ("--dp", dp),
+                            ("--global-batch-size", global_batch_size)):  # fmt: skip
+            if value is not None:
+                raise InputError(name, "the plan file (--plan) fixes it: give the degrees "
+                                 "without --plan, or edit the file")  # fmt: skip
         the_plan = load_plan(plan_path, cl)
+        if micro_batch_size is not None:
+            for i, pipe in enumerate(the_plan.pipelines):
+                if micro_batch_size <= 0 or pipe.batch_size % micro_batch_size:
+                    raise InputError("--micro-batch-size", f"{micro_batch_size} does not divide "
+                                     f"pipeline {i}'s batch of {pipe.batch_size}")  # fmt: skip
+            knobs["micro_batch_size"] = micro_batch_size
         if precision is not None:
             knobs["precision"] = resolve_precision(cl, precision)
         if knobs:  # validate_plan (in estimate) checks the values
