@@ -110,6 +110,36 @@ def test_homogeneous_best_under_a_constraint_is_the_filtered_best(limits, holds)
     assert est.iteration_time_s == pytest.approx(allowed[0][1].iteration_time_s, rel=1e-12)
 
 
+def test_gpipe_is_searched_when_asked():
+    """GPipe holds every micro-batch's activations for 1F1B's bubble, so the searches try it
+    only when --schedule names it (it was never tried: 'no plan satisfies --schedule
+    GPipe'). Brute force: any GPipe plan that fits has a 1F1B twin that fits (it holds fewer
+    activations), so the best GPipe plan is the best fitting GPipe twin of the whole
+    ranked 1F1B space, each estimated."""
+    from dataclasses import replace
+
+    model = load_model("gpt3-1.3b", None)
+    cl = parse_inline_cluster("V100-32GB:2x4")
+    params = default_params()
+    every = search_homogeneous(model, cl, 32, "fp16", 100_000, params)
+    twins = []
+    for plan, _ in every.ranked:
+        if plan.schedule == "1F1B":
+            est = estimate(replace(plan, schedule="GPipe"), model, cl, params)
+            if est.fits:
+                twins.append(est.iteration_time_s)
+    assert twins
+    space = homogeneous_space(PlanConstraints(schedule=("GPipe",)))
+    got = search_homogeneous(model, cl, 32, "fp16", 1, params, space=space)
+    assert got.ranked and got.ranked[0][0].schedule == "GPipe"
+    assert got.ranked[0][1].iteration_time_s == pytest.approx(min(twins), rel=1e-12)
+    # the heterogeneous search does not cover it: refused, not answered
+    with pytest.raises(InputError) as info:
+        search_heterogeneous(model, parse_inline_cluster("V100-32GB:1x4,T4:1x4"), 32, "fp16",
+                             constraints=PlanConstraints(schedule=("GPipe",)))  # fmt: skip
+    assert info.value.field == "--schedule"
+
+
 def _exhaustive_module():
     path = Path(__file__).with_name("test_het_exhaustive.py")
     spec = importlib.util.spec_from_file_location("het_exhaustive", path)

@@ -272,7 +272,9 @@ def homogeneous_space(c: PlanConstraints, base: SearchSpace | None = None) -> Se
         virtual_stages=_meet(c.virtual_stages, base.virtual_stages),
         recompute=narrow(c.recompute, base.recompute),
         zero_stages=narrow(c.zero_stage, base.zero_stages),
-        schedules=narrow(c.schedule, base.schedules),
+        # GPipe holds every micro-batch's activations for 1F1B's time: searched when asked
+        schedules=narrow(c.schedule, base.schedules)
+        + (("GPipe",) if c.schedule and "GPipe" in c.schedule else ()),
         sequence_parallel=sp,
         overlap_tp_comm=c.overlap_tp_comm,
     )

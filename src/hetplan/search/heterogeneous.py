@@ -124,6 +124,11 @@ def search_with(
     if not classes:
         raise InputError("--precision", f"no GPU of the cluster supports {precision}")
     constraints = constraints or PlanConstraints()
+    if constraints.schedule is not None and not {"1F1B", "Interleaved1F1B"} & set(
+        constraints.schedule
+    ):  # GPipe: 1F1B's time with every micro-batch held, searched on one GPU type only
+        raise InputError("--schedule", "the search of mixed clusters runs 1F1B and "
+                         "Interleaved1F1B; GPipe is searched on one GPU type")  # fmt: skip
     if constraints.flash_attention is not None:
         flash_attention = constraints.flash_attention
     single, more = best_single_type(

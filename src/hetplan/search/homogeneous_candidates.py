@@ -101,6 +101,8 @@ def enumerate_candidates(
                             schedules.append(("Interleaved1F1B", v))
                         elif lightens(model.layers, pp, v):
                             schedules.append(("Interleaved1F1B", -v))
+                if "GPipe" in space.schedules:
+                    schedules.append(("GPipe", 1))
                 if "1F1B" not in space.schedules:
                     schedules = [s for s in schedules if s[0] != "1F1B"]
                 if space.virtual_stages is not None:

@@ -308,6 +308,13 @@ def provision(
         and (limits.gpu_types is None or o.gpu.name.lower() in
              {t.lower() for t in limits.gpu_types})
     ]  # fmt: skip
+    if (
+        mixes
+        and limits.schedule is not None
+        and not {"1F1B", "Interleaved1F1B"} & set(limits.schedule)
+    ):
+        raise InputError("--schedule", "the search of mixes runs 1F1B and Interleaved1F1B; "
+                         "GPipe is searched on one GPU type")  # fmt: skip
     left_out = [o.name for o in market.offers if not o.has_price(pricing)]
     if len(left_out) == len(market.offers):
         raise InputError("--spot" if spot else "--pricing",
