@@ -203,3 +203,16 @@ def test_cli_names_the_constraint_that_makes_a_request_infeasible():
     assert res.returncode == 2
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1 and "--tp" in lines[0] and "Traceback" not in res.stderr
+    # limits that cut the cluster (headroom, GPU types, GPU count) are relaxed on the whole
+    # cluster: the headroom alone was once 'nor any of them relaxed alone'
+    for extra, option in ((["--memory-headroom", "0.95"], "--memory-headroom"),
+                          (["--max-gpus", "8", "--memory-headroom", "0.95"],
+                           "--memory-headroom")):  # fmt: skip
+        res = subprocess.run(
+            [sys.executable, "-m", "hetplan", "plan", "-m", "gpt3-6.7b", "-c", "A100-80GB:2x8",
+             *extra], capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert res.returncode == 2, res.stderr
+        line = res.stderr.strip()
+        assert line.startswith(f"error: {option}: no plan satisfies"), line
+        assert "without it the best plan is" in line

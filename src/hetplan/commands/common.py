@@ -47,9 +47,7 @@ def open_profile(profile_path: Path | None, option: str = "--profile") -> Any:
         with profile_path.open("rb") as fh:
             head = fh.read(16)
     except OSError as exc:
-        raise InputError(
-            option, f"cannot read {profile_path}{origin}: {exc.strerror}"
-        ) from None
+        raise InputError(option, f"cannot read {profile_path}{origin}: {exc.strerror}") from None
     if not head.startswith(b"SQLite format 3"):
         raise InputError(option, f"{profile_path}{origin} is not an SQLite profile database")
     import importlib

@@ -132,7 +132,8 @@ def plan(
         overlap_tp_comm,
     )  # fmt: skip
     spec = load_model(model, seq_len)
-    cl = limits.apply_to_cluster(load_cluster(cluster))
+    whole = load_cluster(cluster)
+    cl = limits.apply_to_cluster(whole)
     prec = resolve_precision(cl, precision)
     batch = resolve_batch(spec, global_batch_size)
     params = load_cost(params_path, profile_path)
@@ -140,7 +141,7 @@ def plan(
     if top <= 0:
         raise InputError("--top", "must be positive")
     start = time.perf_counter()
-    search = _plan_search(spec, cl, batch, prec, params, heterogeneous)
+    search = _plan_search(spec, whole, batch, prec, params, heterogeneous)
     from hetplan.report.progress import ProgressBar
 
     with ProgressBar.for_cli(as_json) as bar:  # after a second, on a terminal, not --json
@@ -195,10 +196,14 @@ def _plan_search(
     spec: ModelSpec, cl: Cluster, batch: int, prec: str, params: CostParams, heterogeneous: bool
 ) -> Any:
     """Returns a function (constraints, top) -> (ranked plans, least memory need, extra JSON
-    fields, baselines) running the search a cluster calls for."""
+    fields, baselines) running the search a cluster calls for; each call cuts the cluster to
+    its own constraints (GPU types, headroom, GPU count), so a relaxed one sees it whole."""
     from hetplan.search.constraints import PlanConstraints, homogeneous_space
 
+    whole = cl
+
     def run(limits: PlanConstraints, top: int, progress: Any = None) -> SearchOutcome:
+        cl = limits.apply_to_cluster(whole)
         flash = True if limits.flash_attention is None else limits.flash_attention
         if cl.is_homogeneous() and not heterogeneous:
             from hetplan.search.homogeneous import search_homogeneous
