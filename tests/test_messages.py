@@ -69,3 +69,46 @@ def test_a_second_cluster_is_named_by_its_own_option(tmp_path):
             assert exc.field == field, exc
         else:
             raise AssertionError("accepted")
+
+
+def test_a_file_is_named_as_the_user_gave_it(tmp_path):
+    """A positional PLAN is 'PLAN', a manifest's plan its field; not '--plan', an option
+    explain, export and calibrate do not have."""
+    import subprocess
+    import sys
+
+    from hetplan.errors import InputError
+
+    def line(*args: str) -> str:
+        res = subprocess.run([sys.executable, "-m", "hetplan", *args], capture_output=True,
+                             text=True, timeout=120, cwd=tmp_path)  # fmt: skip
+        assert res.returncode == 2, res.stderr
+        return res.stderr.strip()
+
+    assert line("explain", "nope.json", "-m", "gpt2", "-c", "A100-80GB:1x8").startswith(
+        "error: PLAN: cannot read nope.json"
+    )
+    assert line("export", "nope.json", "-m", "gpt2").startswith("error: PLAN: cannot read")
+    (tmp_path / "m.yaml").write_text(
+        "runs:\n  - {plan: nope.json, model: gpt2, cluster: A100-80GB:1x8, measured_iter_s: 1}\n"
+    )
+    from hetplan.cost.runs import load_runs
+
+    try:
+        load_runs(tmp_path / "m.yaml")
+    except InputError as exc:
+        assert exc.field == "runs[0].plan", exc
+    else:
+        raise AssertionError("a missing plan accepted")
+
+
+def test_a_generic_runs_file_may_leave_out_micro_batch(tmp_path):
+    """inputs.md: micro_batch blank means searched; the column left out means the same."""
+    from hetplan.cost.runs import load_runs
+
+    runs = tmp_path / "r.csv"
+    runs.write_text("label,layers,hidden,heads,ffn,vocab,seq,gpu,nodes,gpus_per_node,tp,pp,dp,"
+                    "global_batch,iter_time_s\nx,24,1024,16,4096,50000,2048,A100-80GB,1,8,2,1,4,"
+                    "64,1.5\n")  # fmt: skip
+    (run,) = load_runs(runs)
+    assert run.plan is None and run.knobs is not None and run.measured == 1.5

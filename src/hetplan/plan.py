@@ -244,16 +244,17 @@ def _parse_plan(data: Any) -> Plan:
     return plan
 
 
-def load_plan(path: Path, cluster: Cluster | None = None) -> Plan:
+def load_plan(path: Path, cluster: Cluster | None = None, option: str = "--plan") -> Plan:
     """Returns the Plan read from a JSON file (either form; ``cluster``: check compact
-    entries' node ranges against it)."""
+    entries' node ranges against it); ``option`` names the file in messages (a positional
+    PLAN, a manifest's field)."""
     try:
         data = json.loads(path.read_text())
     except OSError as exc:
-        raise InputError("--plan", f"cannot read {path}: {exc.strerror}") from None
+        raise InputError(option, f"cannot read {path}: {exc.strerror}") from None
     except json.JSONDecodeError as exc:
         raise InputError(
-            "--plan", f"{path} is not valid JSON: {exc.msg} (line {exc.lineno})"
+            option, f"{path} is not valid JSON: {exc.msg} (line {exc.lineno})"
         ) from None
     return plan_from_dict(data, cluster)
 

@@ -36,7 +36,7 @@ def export(
     from hetplan.report.export import deepspeed_config, deepspeed_launch_args, megatron_args
 
     spec = load_model(model, seq_len)
-    the_plan = load_plan(plan_path)
+    the_plan = load_plan(plan_path, option="PLAN")
     check_plan_model(the_plan, spec)  # no cluster here: what the model alone can check
     if fmt == "megatron":
         text = " \\\n  ".join(shlex.quote(a) for a in megatron_args(the_plan, spec)) + "\n"

@@ -293,7 +293,7 @@ def explain(
 
     spec = load_model(model, seq_len)
     cl = load_cluster(cluster)
-    the_plan = load_plan(plan_path, cl)
+    the_plan = load_plan(plan_path, cl, option="PLAN")
     if precision is not None:
         the_plan = dataclasses.replace(the_plan, precision=resolve_precision(cl, precision))
     info = explain_plan(the_plan, spec, cl, load_cost(params_path, profile_path), expand)

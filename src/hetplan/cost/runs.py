@@ -332,7 +332,7 @@ def _manifest_runs(path: Path) -> list[Run]:
         cl_path = path.parent / cl_spec
         cluster = load_cluster(str(cl_path) if cl_path.exists() else cl_spec)
         plan_path = path.parent / str(item["plan"])
-        plan = load_plan(plan_path)
+        plan = load_plan(plan_path, option=f"{where}.plan")
         validate_plan(plan, model, cluster)
         value = item["measured_iter_s"]
         if value is not None and (not isinstance(value, int | float) or value <= 0):
@@ -362,8 +362,9 @@ def load_runs(path: Path) -> list[Run]:
     elif {"layers_per_stage", "measured_s", "gpu_type"} <= header:
         parse = _sailor_run
     else:
+        # micro_batch may be left out as it may be left blank: the search picks it
         need = ["layers", "hidden", "heads", "ffn", "vocab", "seq", "gpu", "nodes",
-                "gpus_per_node", "tp", "pp", "dp", "micro_batch", "global_batch"]  # fmt: skip
+                "gpus_per_node", "tp", "pp", "dp", "global_batch"]  # fmt: skip
         missing = [c for c in need if c not in header]
         if missing:
             raise InputError(missing[0], f"{path.name}: missing column (generic format)")

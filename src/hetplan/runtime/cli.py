@@ -247,7 +247,7 @@ def _override_plan(path: Path, tmp: Path, **fields: Any) -> Path:
     knobs = {k: v for k, v in fields.items() if v is not None}
     if not knobs:
         return path
-    plan = replace(load_plan(path), **knobs)
+    plan = replace(load_plan(path, option="PLAN"), **knobs)
     out = tmp / path.name
     plan.save(out)
     return out

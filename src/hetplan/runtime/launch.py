@@ -41,7 +41,7 @@ def preflight(cfg: RunConfig) -> Checked:
     """Returns the checked inputs of ``cfg``; raises InputError on any mismatch."""
     model = cfg.model_spec()
     cluster = load_cluster(cfg.cluster)
-    plan = load_plan(Path(cfg.plan))
+    plan = load_plan(Path(cfg.plan), option="PLAN")
     check_runtime_plan(plan, model, cluster)
     device = resolve_device(cfg.device)
     check_plan_support(plan, model, build_layout(plan, model, cluster), device)
