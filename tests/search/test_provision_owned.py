@@ -57,3 +57,29 @@ def test_owned_a100_plus_rented_h100_front_equals_exhaustive_enumeration():
     assert only.estimate.cost_parts.rental == 0.0
     assert only.usd_per_hour == pytest.approx(2 * OWNED_HOURLY, rel=1e-12)
     assert "owned" in got.reason
+
+
+def test_gpu_types_limit_what_is_rented_beside_owned_nodes():
+    """--gpu-types names GPU types to rent; the owned nodes are the user's own, of whatever
+    type (every value was once refused: 'the cluster has no A100-80GB', or 'the market
+    sells no A100-40GB' for the owned type)."""
+    from hetplan.search.constraints import PlanConstraints
+
+    owned = cluster_from_dict({"nodes": [{"gpu": "A100-40GB", "gpus": 2, "owned": True, **FIG}]})
+    offer = {"gpus_per_node": 2, "max_nodes": 1}
+    market = market_from_dict({"offers": [
+        {"gpu": "H100-80GB", **offer, "on_demand_usd_per_gpu_hour": 6.88},
+        {"gpu": "T4", **offer, "on_demand_usd_per_gpu_hour": 0.53},
+    ]})  # fmt: skip
+    model = load_model("gpt2")
+
+    def rented(types):
+        res = provision(model, market, 1e9, 16, "fp16", owned=owned,
+                        limits=PlanConstraints(gpu_types=types))  # fmt: skip
+        assert res.points and all(p.owned == {"A100-40GB": 2} for p in res.points)
+        return {g for p in res.points for g in p.gpus}
+
+    assert rented(("H100-80GB",)) == {"H100-80GB"}
+    assert rented(("A100-40GB", "T4")) == {"T4"}
+    assert rented(("A100-40GB",)) == set()
+    assert rented(None) == {"H100-80GB", "T4"}

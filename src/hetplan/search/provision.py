@@ -319,10 +319,11 @@ def provision(
     if len(left_out) == len(market.offers):
         raise InputError("--spot" if spot else "--pricing",
                          f"no offer of the market states a {pricing} price")  # fmt: skip
-    if limits.gpu_types is not None:
+    if limits.gpu_types is not None:  # what is rented; owned nodes are the user's own
         sold = {o.gpu.name.lower() for o in market.offers}
+        mine = set() if owned is None else {g.name.lower() for g in owned.gpu_types_used()}
         for name in limits.gpu_types:
-            if name.lower() not in sold:
+            if name.lower() not in sold | mine:
                 raise InputError("--gpu-types", f"the market sells no {name}")
     # GPU types filter the offers and max_gpus caps the counts: the clusters take the rest
     job = ProvisionJob(model, tokens, global_batch, precision, spot, params, terms, prune,
@@ -338,7 +339,7 @@ def provision(
         planned, pruned = owned_first(job, owned, offers, points)
         front = pareto_front(points)
         best, why = recommend(front, objective, constraints)
-        choice = explain_owned(best, points, limits.apply_to_cluster(owned))
+        choice = explain_owned(best, points, job.limits.apply_to_cluster(owned))
         return ProvisionResult(points, front, planned, pruned, time.process_time() - start,
                                best, why + choice, 0, pricing=pricing, left_out=left_out,
                                owned_choice=choice.removeprefix("; "))  # fmt: skip
