@@ -112,3 +112,17 @@ def test_a_generic_runs_file_may_leave_out_micro_batch(tmp_path):
                     "64,1.5\n")  # fmt: skip
     (run,) = load_runs(runs)
     assert run.plan is None and run.knobs is not None and run.measured == 1.5
+
+
+def test_a_spot_option_without_spot_is_refused():
+    """provision --checkpoint-interval prices preemptions: without --spot it had no effect."""
+    import subprocess
+    import sys
+
+    res = subprocess.run([sys.executable, "-m", "hetplan", "provision", "-m", "gpt2",
+                          "--tokens", "1e9", "--checkpoint-interval", "10m"],
+                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert res.returncode == 2
+    assert res.stderr.strip() == (
+        "error: --checkpoint-interval: it prices spot preemptions: add --spot"
+    )

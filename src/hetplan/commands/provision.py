@@ -190,6 +190,8 @@ def provision(
         else parse_duration_s(checkpoint_interval, "--checkpoint-interval")
     )
     terms = SpotTerms(interval)
+    if interval is not None and not (spot or pricing == "spot"):
+        raise InputError("--checkpoint-interval", "it prices spot preemptions: add --spot")
     if time_limit is not None and not mixes:
         raise InputError("--time-limit", "it limits the search of mixes: add --mixes")
     # a market's mixes can take hours to plan: by default the search stops after
