@@ -192,6 +192,9 @@ def test_worker_killed_mid_save_exits_with_cause_and_resumes(
     devices = {"host:0", "host:1"}
     assert set(record["peak_memory_bytes"]) == set(record["predicted_peak_memory_bytes"]) == devices
     assert record["compute_source"] in ("analytical", "measured", "interpolated", "scaled")
+    # what ran, said beside the figures: one pipeline of two stages, one device each
+    assert record["ran"]["plan"].startswith("tp 1, pp 2, dp 1, micro-batch ")
+    assert record["ran"]["precision"] in ("fp32", "bf16", "fp16", "tf32")
     assert not any(p.exists() for p in staged if p.name != f".staging-step_{done + 1:08d}")
     assert not any(root.glob(".staging-*"))
 

@@ -14,6 +14,7 @@ from rich.table import Table
 
 from hetplan.errors import InputError, shown
 from hetplan.outputs import json_text
+from hetplan.report.table import plan_label
 from hetplan.runtime.config import RunConfig
 
 
@@ -223,11 +224,18 @@ def launch(
     record["predicted_peak_memory_bytes"] = est.peak_memory_bytes
     record["compute_source"] = source
     record["notes"] = notes
+    ran = checked.plan  # what ran: every field honoured or refused before the start
+    record["ran"] = {"plan": plan_label(ran), "precision": ran.precision,
+                     "sequence_parallel": ran.sequence_parallel,
+                     "flash_attention": ran.flash_attention}  # fmt: skip
     if as_json:
         typer.echo(json_text(record))
         return
     measured = record.get("measured_step_time_s")
     if measured:
+        extras = ", sequence parallel" if ran.sequence_parallel else ""
+        extras += "" if ran.flash_attention else ", no flash attention"
+        console.print(f"ran {plan_label(ran)}, {ran.precision}{extras}", highlight=False)
         console.print(
             f"measured step {measured:.4f} s, predicted {pred_step:.4f} s ({source} compute), "
             f"final loss {record['steps'][-1]['loss']:.4f}"

@@ -274,14 +274,17 @@ def explain_owned(best: Point | None, points: list[Point], owned: Cluster) -> st
     if alone is None:
         return used + "; these owned GPUs alone have no plan that fits, so renting is needed"
     if not best.gpus:
-        rented = [p for p in points if p.gpus and p.owned == best.owned]
+        # the fastest rental of any choice of owned nodes: a configuration pruned was
+        # dominated by a point found, so none is faster than the fastest found
+        rented = [p for p in points if p.gpus]
         faster = [p for p in rented if p.time_to_train_s < alone.time_to_train_s]
         if not faster:
             return used + ", no rental: no rented addition makes the run faster"
         quick = min(faster, key=lambda p: p.time_to_train_s)
+        mine = "" if quick.owned == best.owned else f"{gpus_label(quick.owned)} owned + "
         return used + (
             f", no rental: renting costs more than its time saving is worth "
-            f"to this objective (the fastest addition, {gpus_label(quick.gpus)}, cuts "
+            f"to this objective (the fastest rental, {mine}{gpus_label(quick.gpus)}, cuts "
             f"{alone.time_to_train_s / 86400:.2f} to {quick.time_to_train_s / 86400:.2f} days "
             f"for ${quick.total_cost_usd - alone.total_cost_usd:,.0f} more)"
         )
