@@ -126,3 +126,18 @@ def test_a_spot_option_without_spot_is_refused():
     assert res.stderr.strip() == (
         "error: --checkpoint-interval: it prices spot preemptions: add --spot"
     )
+
+
+def test_a_message_in_brackets_prints_as_written(tmp_path):
+    """Messages are text, not rich markup: '[[c2, c1, c0], max_bytes_per_s]' lost its
+    brackets ('expected [, max_bytes_per_s]')."""
+    import subprocess
+    import sys
+
+    net = tmp_path / "net.json"
+    net.write_text('{"intra": {"GH-96": {"2": [[1, 2], 5]}}}')
+    res = subprocess.run([sys.executable, "-m", "hetplan", "profile", "import", "--network",
+                          str(net), "--out", str(tmp_path / "n.sqlite")],
+                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert res.returncode == 2
+    assert "expected [[c2, c1, c0], max_bytes_per_s], got [[1, 2], 5]" in res.stderr, res.stderr

@@ -9,6 +9,7 @@ import sys
 from typing import Annotated
 
 import typer
+from rich.markup import escape
 
 from hetplan.commands import calibrate, export, planning, provision
 from hetplan.commands.common import err, out
@@ -75,7 +76,8 @@ def main() -> None:
         if isinstance(code, int) and code != 0:
             sys.exit(code)
     except InputError as exc:
-        err.print(f"[bold red]error[/]: {exc}", highlight=False, soft_wrap=True)
+        # the message is text, never markup: "[forward_s, backward_s]" must print as written
+        err.print(f"[bold red]error[/]: {escape(str(exc))}", highlight=False, soft_wrap=True)
         sys.exit(2)
     except (typer.Abort, KeyboardInterrupt):
         err.print("aborted")
@@ -96,8 +98,8 @@ def main() -> None:
             ctx = getattr(exc, "ctx", None)
             where = f"{ctx.command_path}: " if ctx is not None else ""
             message = " ".join(exc.format_message().split())
-            err.print(f"[bold red]error[/]: {where}{message} (see --help)", highlight=False,
-                      soft_wrap=True, markup=True)  # fmt: skip
+            text = escape(f"{where}{message} (see --help)")
+            err.print(f"[bold red]error[/]: {text}", highlight=False, soft_wrap=True)
             sys.exit(2)
         if isinstance(exc, typer.Exit):
             sys.exit(exc.exit_code)

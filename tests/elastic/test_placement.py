@@ -34,3 +34,19 @@ def test_even_chunks_alternate_between_stages():
     # chunk sizes 2 and 1: s0c0 layers 0-1, s1c0 layer 2, s0c1 layers 3-4, s1c1 layer 5
     assert units[0] == {EMBED, layer_unit(0), layer_unit(1), layer_unit(3), layer_unit(4)}
     assert units[1] == {layer_unit(2), layer_unit(5), HEAD}
+
+
+def test_a_tied_head_is_saved_once_in_the_embedding_shard():
+    """By hand, 12 bytes a parameter (bf16/fp32 weights, fp32 Adam moments as the runtime
+    saves them): TINY (hidden 64, vocab 128, 32 positions, GPT: two-vector norms). Tied, the
+    head shard is the final norm alone, as the runtime's head.pt holds; it counted the
+    vocab x hidden table a second time."""
+    from dataclasses import replace
+
+    from hetplan.elastic.placement import shard_bytes
+
+    untied = shard_bytes(TINY)
+    tied = shard_bytes(replace(TINY, tie_embeddings=True))
+    assert untied[EMBED] == tied[EMBED] == 12 * (128 * 64 + 32 * 64)
+    assert untied[HEAD] == 12 * (2 * 64 + 128 * 64)
+    assert tied[HEAD] == 12 * 2 * 64

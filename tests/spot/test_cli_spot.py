@@ -56,5 +56,9 @@ def test_synth_writes_a_trace_simulate_reads(tmp_path):
     lines = out.read_text().splitlines()
     assert lines[0] == "time_s,gpu_type,count" and lines[1] == "0.000,T4,12"
     assert lines[-1].startswith("10800.000,T4,")
-    bad = run("spot", "synth", "--cluster", "T4:3x4", "--preemption-rate", "-1", "--out", str(out))
-    assert bad.returncode == 2 and "--preemption-rate" in bad.stderr
+    before = out.read_text()
+    for rate in ("-1", "inf", "nan"):  # inf once wrote negative counts, nan no changes
+        bad = run("spot", "synth", "--cluster", "T4:3x4", "--preemption-rate", rate,
+                  "--out", str(out))  # fmt: skip
+        assert bad.returncode == 2 and "--preemption-rate" in bad.stderr
+    assert out.read_text() == before

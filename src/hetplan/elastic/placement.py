@@ -35,7 +35,10 @@ def shard_bytes(model: ModelSpec) -> dict[str, int]:
     out = {EMBED: model.embedding_params() * STATE_BYTES_PER_PARAM}
     for i in range(model.layers):
         out[layer_unit(i)] = model.layer_params() * STATE_BYTES_PER_PARAM
-    out[HEAD] = model.head_params() * STATE_BYTES_PER_PARAM
+    # a tied output matrix is the embedding's table, saved once, in the embedding's shard
+    # (the runtime's head.pt then holds the final norm alone)
+    tied = model.vocab * model.hidden if model.tie_embeddings else 0
+    out[HEAD] = (model.head_params() - tied) * STATE_BYTES_PER_PARAM
     return out
 
 

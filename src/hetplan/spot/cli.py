@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -188,8 +189,8 @@ def synth(
     from hetplan.spot.traces import PoolType, synthesize, trace_csv
     from hetplan.units import parse_duration_s
 
-    if preemption_rate < 0:
-        raise InputError("--preemption-rate", f"must be >= 0, got {preemption_rate}")
+    if not (math.isfinite(preemption_rate) and preemption_rate >= 0):
+        raise InputError("--preemption-rate", f"must be a finite rate >= 0, got {preemption_rate}")
     pool = pool_from_cluster(load_cluster(cluster))
     outage = parse_duration_s(mean_outage, "--mean-outage")
     types = [
