@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -105,3 +106,35 @@ def test_kill_a_worker_resumes_on_the_rest(elastic_inputs: dict[str, Path], tmp_
     # and both equal one uninterrupted full-batch run: no step saw other data
     ref, _ = reference_train(load_model(cfg.model), 8, STEPS, SEED)
     assert max_relative_error(elastic_params, ref) <= 1e-5
+
+
+def test_elastic_refusals_before_any_process(tmp_path: Path) -> None:
+    """As the plain checkpoint path: a new run into a store or local folder holding another
+    run's steps, a resume with nothing left to train or another seed, and a store that
+    cannot be used, each one line naming the option (a second run overwrote the first's
+    steps in storage with exit 0; an unknown URL scheme was a traceback)."""
+    from hetplan.elastic.elastic_run import check_elastic_checkpoints, open_store
+    from hetplan.errors import InputError
+
+    store_dir, local = tmp_path / "store", tmp_path / "local"
+    base = RunConfig(plan="p.json", model="m", cluster="c", steps=6, seed=3,
+                     local_dir=str(local), storage=str(store_dir))  # fmt: skip
+    store = open_store(str(store_dir))
+    check_elastic_checkpoints(base, store, local)  # empty: a new run starts
+    (local / "n0" / "step_00000002").mkdir(parents=True)
+    with pytest.raises(InputError) as info:
+        check_elastic_checkpoints(base, store, local)
+    assert info.value.field == "--local-dir"
+    store.commit({"step": 4, "seed": 3})
+    cases = [({}, "--storage"), ({"resume": True, "steps": 4}, "--steps"),
+             ({"resume": True, "seed": 5}, "--seed")]  # fmt: skip
+    for kw, field in cases:
+        with pytest.raises(InputError) as info:
+            check_elastic_checkpoints(replace(base, **kw), store, local)
+        assert info.value.field == field, info.value
+    check_elastic_checkpoints(replace(base, resume=True), store, local)  # continues to 6
+    (tmp_path / "afile").write_text("x")
+    for url in ("foo://x", str(tmp_path / "afile")):
+        with pytest.raises(InputError) as info:
+            open_store(url)
+        assert info.value.field == "--storage"

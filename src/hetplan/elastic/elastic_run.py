@@ -72,6 +72,42 @@ def launch_workers(cfg: RunConfig, nproc: int) -> dict[int, int]:
     return {}
 
 
+def open_store(url: str) -> ShardStore:
+    """Returns the shard store at ``url``; one that cannot be used names --storage."""
+    try:
+        store = ShardStore(url)
+    except (ValueError, ImportError) as exc:  # unknown protocol, missing fsspec backend
+        raise InputError("--storage", f"cannot use {url}: {exc}") from None
+    if store.fs is None and Path(store.url).exists() and not Path(store.url).is_dir():
+        raise InputError("--storage", f"{url} is not a directory")
+    return store
+
+
+def check_elastic_checkpoints(cfg: RunConfig, store: ShardStore, local_root: Path) -> None:
+    """Refuses, before any process starts, what the plain checkpoint path refuses: a new run
+    into a store or local folder holding another run's steps, and a resume with nothing
+    left to train or another seed (``launch.preflight`` for --checkpoint-dir)."""
+    latest = store.latest_step()
+    if not cfg.resume:
+        if latest is not None:
+            raise InputError("--storage", f"{cfg.storage} holds checkpoints up to step "
+                             f"{latest}: --resume to continue, or name another store")  # fmt: skip
+        held = sorted(local_root.glob("*/step_*")) if local_root.is_dir() else []
+        if held:
+            raise InputError("--local-dir", f"{local_root} holds checkpoints ({held[-1].name}"
+                             " on a node): --resume to continue, or name another")  # fmt: skip
+        return
+    man = None if latest is None else store.manifest(latest)
+    if man is None:
+        return
+    if cfg.steps <= int(man["step"]):
+        raise InputError("--steps", f"the checkpoint is at step {man['step']}: "
+                         f"{cfg.steps} steps leave nothing to train")  # fmt: skip
+    if int(man.get("seed", cfg.seed)) != cfg.seed:
+        raise InputError("--seed", f"checkpoint step {man['step']} was trained with seed "
+                         f"{man['seed']}, not {cfg.seed}")  # fmt: skip
+
+
 def run_elastic(
     cfg: RunConfig,
     storage_bytes_per_s: float,
@@ -83,7 +119,8 @@ def run_elastic(
     if not cfg.local_dir or not cfg.storage:
         raise InputError("--elastic", "needs --local-dir and --storage")
     local_root = Path(cfg.local_dir)
-    store = ShardStore(cfg.storage)
+    store = open_store(cfg.storage)
+    check_elastic_checkpoints(cfg, store, local_root)
     recoveries: list[dict[str, Any]] = []
     done: list[dict[str, Any]] = []
     """Steps of earlier attempts, up to the checkpoint each recovery resumed from."""
@@ -112,9 +149,16 @@ def run_elastic(
                 {node_of(order[r]) for r, code in failed.items() if code == -signal.SIGKILL}
             )
             if not killed:
-                raise RuntimeError(f"workers failed without a preemption: exit codes {failed}")
+                causes = [Path(f"{cur.result}.error.{r}") for r in sorted(failed)]
+                last = [c.read_text() for c in causes if c.is_file()]
+                raise RuntimeError(
+                    f"training failed: workers failed without a preemption (exit codes "
+                    f"{failed})" + (f": {last[0]}" if last else "")
+                )
             if attempt == max_recoveries:
-                raise RuntimeError(f"gave up after {max_recoveries} recoveries")
+                raise RuntimeError(f"training failed: gave up after {max_recoveries} recoveries")
+            if set(killed) >= {n.name for n in alive.nodes}:
+                raise RuntimeError(f"training failed: every node was lost ({', '.join(killed)})")
             t0, cpu0 = time.perf_counter(), time.process_time()
             res = replan(plan, model, alive, killed)
             replan_cpu_s = time.process_time() - cpu0

@@ -8,6 +8,7 @@ import logging
 import os
 import statistics
 import time
+from contextlib import suppress
 from dataclasses import asdict
 from datetime import timedelta
 from pathlib import Path
@@ -317,7 +318,11 @@ def main(argv: list[str] | None = None) -> None:
         record = train(cfg)
         if dist.get_rank() == 0 and cfg.result:
             ckpt.write_atomic(Path(cfg.result), json.dumps(record).encode())
-    except BaseException:
+    except BaseException as exc:
+        if cfg.result:  # the cause, for a launcher that does not read this rank's stderr
+            with suppress(OSError):
+                cause = " ".join(f"{type(exc).__name__}: {exc}".split())
+                Path(f"{cfg.result}.error.{dist.get_rank()}").write_text(cause)
         dist.destroy_process_group()
         raise
     leave_and_exit(0)
