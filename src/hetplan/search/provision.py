@@ -51,9 +51,8 @@ from hetplan.search.provision_points import (
 )
 from hetplan.search.spot import (
     SpotTerms,
-    best_spot_plan,
     checkpoint_floor_s,
-    checkpoint_time_s,
+    configuration_plan,
     offer_load,
     slowdowns,
 )
@@ -164,20 +163,11 @@ def _single_type(job: ProvisionJob, offer: Offer, points: list[Point]) -> tuple[
                                       params=params, space=space, flash_attention=flash,
                                       memo=memo).ranked  # fmt: skip
 
-        if spot:  # the plan's own checkpoint time (its largest node's state)
-
-            def slowdown_of(p: Plan, load: tuple[float, float] = load) -> float:
-                return float(slowdowns(*load, terms, checkpoint_time_s(p, model)))
-
-            found = best_spot_plan(ranked_by, slowdown_of, slow)
-            if found is None:
-                continue
-            plan, est, slow = found
-        else:
-            ranked = ranked_by(1)
-            if not ranked:
-                continue
-            plan, est = ranked[0]
+        # on spot, the plan's own checkpoint time (its largest node's state)
+        found = configuration_plan(ranked_by, model, terms, load if spot else None, slow)
+        if found is None:
+            continue
+        plan, est, slow = found
         t = tokens / est.tokens_per_s * slow
         points.append(
             Point(

@@ -27,9 +27,8 @@ from hetplan.search.provision_points import (
 )
 from hetplan.search.provision_stages import mix_iteration_floor_s, mix_time_floor_s
 from hetplan.search.spot import (
-    best_spot_plan,
     checkpoint_floor_s,
-    checkpoint_time_s,
+    configuration_plan,
     mixed_load,
     offer_load,
     slowdowns,
@@ -187,22 +186,13 @@ def explore_mixes(
             return search_heterogeneous(model, cluster, global_batch, precision, k, params,
                                         flash, job.limits, cache=cache).ranked  # fmt: skip
 
-        if spot:  # the plan's own checkpoint time (its largest node's state)
+        load = None  # on spot, the plan's own checkpoint time (its largest node's state)
+        if spot:
             load = mixed_load([offer_load(a, na, job.terms), offer_load(b, nb, job.terms)])
-
-            def slowdown_of(p: Plan, load: tuple[float, float] = load) -> float:
-                return float(slowdowns(*load, job.terms, checkpoint_time_s(p, model)))
-
-            found = best_spot_plan(ranked_by, slowdown_of, float(grid.slow[q]))
-            if found is None:
-                continue
-            plan, est, slow = found
-        else:
-            ranked = ranked_by(1)
-            if not ranked:
-                continue
-            plan, est = ranked[0]
-            slow = 1.0
+        found = configuration_plan(ranked_by, model, job.terms, load, float(grid.slow[q]))
+        if found is None:
+            continue
+        plan, est, slow = found
         # the whole rented cluster is paid for, even GPUs the best plan leaves idle
         rented = float(grid.usd_hour[q])
         t = tokens / est.tokens_per_s * slow

@@ -39,9 +39,8 @@ from hetplan.search.provision_points import (
     offer_floor,
 )
 from hetplan.search.spot import (
-    best_spot_plan,
     checkpoint_floor_s,
-    checkpoint_time_s,
+    configuration_plan,
     offer_load,
     slowdowns,
 )
@@ -160,24 +159,15 @@ def owned_first(
         nonlocal planned
         planned += 1
         job.tick(1, 0, points)
-        if c.load is not None:  # on spot, the plan that trains fastest with its own checkpoint
-            load = c.load
+        floor = 1.0  # on spot, the plan that trains fastest with its own checkpoint
+        if c.load is not None:
             least = checkpoint_floor_s(job.model, len(c.cluster.nodes))
-            floor = slowdowns(*load, job.terms, least, True)
-            found = best_spot_plan(
-                lambda k: _plan(job, c.cluster, cache, k),
-                lambda p: float(slowdowns(*load, job.terms, checkpoint_time_s(p, job.model))),
-                float(floor),
-            )
-            if found is None:
-                return
-            plan, est, slow = found
-        else:
-            ranked = _plan(job, c.cluster, cache)
-            if not ranked:
-                return
-            plan, est = ranked[0]
-            slow = 1.0
+            floor = float(slowdowns(*c.load, job.terms, least, True))
+        found = configuration_plan(lambda k: _plan(job, c.cluster, cache, k), job.model,
+                                   job.terms, c.load, floor)  # fmt: skip
+        if found is None:
+            return
+        plan, est, slow = found
         t = job.tokens / est.tokens_per_s * slow
         points.append(Point(dict(c.rented), job.spot, t, t / 3600 * c.usd_hour, c.usd_hour,
                             plan, est, c.cluster, c.t_lb, dict(c.owned),

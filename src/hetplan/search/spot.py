@@ -218,3 +218,24 @@ def best_spot_plan(
         ):
             return None if best is None else best[1:]
         k *= 4
+
+
+def configuration_plan(
+    ranked_by: Callable[[int], list[tuple[Plan, Any]]],
+    model: ModelSpec,
+    terms: SpotTerms,
+    load: tuple[Any, Any] | None = None,
+    floor: float = 1.0,
+) -> tuple[Plan, Any, float] | None:
+    """Returns a rented configuration's plan, its estimate and its slowdown: on demand
+    (``load`` None) the fastest iteration; on spot (``load``: its preemptions a second and
+    their fixed cost) ``best_spot_plan``, each plan slowed by its own checkpoint time;
+    ``floor``: a slowdown no plan of the configuration beats. None: no plan."""
+    if load is None:
+        ranked = ranked_by(1)
+        return None if not ranked else (ranked[0][0], ranked[0][1], 1.0)
+
+    def slowdown_of(plan: Plan) -> float:
+        return float(slowdowns(*load, terms, checkpoint_time_s(plan, model)))
+
+    return best_spot_plan(ranked_by, slowdown_of, floor)
