@@ -192,7 +192,7 @@ def _write(tmp_path, name, text):
                 "--dp",
                 "3",
                 "--micro-batch-size",
-                "1",
+                "4",  # 2 micro-batches for 3 replicas (with 1: shares 3, 3, 2 run)
                 "--global-batch-size",
                 "8",
             ],

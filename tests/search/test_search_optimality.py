@@ -204,8 +204,15 @@ def megatron_plan(
     **options: object,
 ) -> Plan:
     """Returns the Megatron-layout plan: rank ``(s * dp + r) * tp + t`` is the rank-th device
-    in node order (TP innermost, then DP, then PP)."""
+    in node order (TP innermost, then DP, then PP). Where ``dp`` does not divide the batch,
+    replica r runs M // dp micro-batches, one more for the first M % dp (M = batch / mb)."""
     devs = _device_names(nodes)
+    total = global_batch // micro_batch
+    shares = (
+        [global_batch // dp] * dp
+        if global_batch % dp == 0
+        else [(total // dp + (r < total % dp)) * micro_batch for r in range(dp)]
+    )
     split = _middle_first_split(layers, pp)
     v = int(options.get("virtual_stages", 1))  # type: ignore[call-overload]
     chunks: list[tuple[int, ...] | None] = [None] * pp
@@ -223,7 +230,7 @@ def megatron_plan(
             rank0 = (s * dp + r) * tp
             devices = tuple(devs[rank0 + t] for t in range(tp))
             stages.append(Stage(split[s], devices, chunks[s]))
-        pipelines.append(Pipeline(global_batch // dp, tuple(stages)))
+        pipelines.append(Pipeline(shares[r], tuple(stages)))
     return Plan(
         global_batch_size=global_batch,
         micro_batch_size=micro_batch,
@@ -248,18 +255,25 @@ def homogeneous_plans(
             if pp > model.layers:
                 continue
             dp = n // (tp * pp)
-            if global_batch % dp:
+            if dp > global_batch:
                 continue
-            per_replica = global_batch // dp
             split = _middle_first_split(model.layers, pp)
-            for mb in _divisors(per_replica):
+            # every micro-batch size whose micro-batches leave no replica idle (dp need not
+            # divide the batch: then the replicas' counts differ by one)
+            for mb in _divisors(global_batch):
+                if global_batch // mb < dp or (
+                    global_batch % dp == 0 and (global_batch // dp) % mb
+                ):
+                    continue
                 if knobs.micro_batch is not None and mb not in knobs.micro_batch:
                     continue
-                m = per_replica // mb
+                total = global_batch // mb
+                counts = {total // dp, -(-total // dp)}
                 schedules = []
                 if "1F1B" in knobs.schedules:
                     schedules.append(("1F1B", 1))
-                if "Interleaved1F1B" in knobs.schedules and pp > 1 and m % pp == 0:
+                if ("Interleaved1F1B" in knobs.schedules and pp > 1
+                        and all(m % pp == 0 for m in counts)):  # fmt: skip
                     for v in range(2, knobs.max_virtual_stages + 1):
                         if all(x % v == 0 for x in split):
                             schedules.append(("Interleaved1F1B", v))

@@ -14,7 +14,7 @@ from hetplan.cluster import Cluster
 from hetplan.cost.sharding import deferred
 from hetplan.model import ModelSpec
 from hetplan.plan import Pipeline, Plan, Stage
-from hetplan.search.layout import even_layer_split, uniform_plan
+from hetplan.search.layout import even_layer_split, replica_shares, uniform_plan
 
 
 def divisors(n: int) -> list[int]:
@@ -84,15 +84,23 @@ def enumerate_candidates(
             if pp > model.layers or (space.pp and pp not in space.pp):
                 continue
             dp = num_gpus // (tp * pp)
-            if global_batch % dp or (space.dp and dp not in space.dp):
+            if dp > global_batch or (space.dp and dp not in space.dp):
                 continue
-            per_replica = global_batch // dp
-            for mb in divisors(per_replica):
+            # where dp does not divide the batch, its micro-batches spread as evenly as
+            # they go (``layout.replica_shares``): every GPU still runs a replica
+            if global_batch % dp == 0:
+                mbs = divisors(global_batch // dp)
+            else:
+                mbs = [x for x in divisors(global_batch) if global_batch // x >= dp]
+            for mb in mbs:
                 if space.micro_batch and mb not in space.micro_batch:
                     continue
-                m = per_replica // mb
+                shares = replica_shares(global_batch, dp, mb)
+                assert shares is not None
+                counts = {s // mb for s in shares}
                 schedules: list[tuple[str, int]] = [("1F1B", 1)]
-                if pp > 1 and "Interleaved1F1B" in space.schedules and m % pp == 0:
+                if (pp > 1 and "Interleaved1F1B" in space.schedules
+                        and all(m % pp == 0 for m in counts)):  # fmt: skip
                     min_layers = model.layers // pp
                     top_v = max(space.virtual_stages or (space.max_virtual_stages,))
                     for v in range(2, top_v + 1):
@@ -111,7 +119,7 @@ def enumerate_candidates(
                     for zero in space.zero_stages:
                         if zero and dp == 1:
                             continue
-                        if deferred(zero, dp, pp > 1, False):
+                        if deferred(zero, dp, pp > 1, len(counts) > 1):
                             # dominated: pipelined, frameworks run ZeRO-2/3 with ZeRO-1's
                             # traffic and no less memory (DeepSpeed's pipeline engine refuses
                             # them; PyTorch's pipelining stages defer FSDP's gradient sync
@@ -124,6 +132,11 @@ def enumerate_candidates(
                                     continue
                                 yield Candidate(tp, pp, dp, mb, rc, zero, sched, abs(v), sp,
                                                 v < 0)  # fmt: skip
+
+
+def most_micro_batches(global_batch: int, dp: int, micro_batch: int) -> int:
+    """Returns the micro-batches of the busiest replica (``layout.replica_shares``)."""
+    return -(-(global_batch // micro_batch) // dp)
 
 
 def lighten(plan: Plan, v: int) -> Plan:

@@ -29,9 +29,10 @@ from hetplan.search.homogeneous_candidates import (
     SearchSpace,
     enumerate_candidates,
     lighten,
+    most_micro_batches,
     tiebreak,
 )
-from hetplan.search.layout import even_layer_split, uniform_plan
+from hetplan.search.layout import even_layer_split, replica_shares, uniform_plan
 
 
 @dataclass(frozen=True)
@@ -124,7 +125,7 @@ class Scorer:
             self.global_batch,
             self.params,
         )
-        m = global_batch // c.dp // c.micro_batch
+        m = most_micro_batches(global_batch, c.dp, c.micro_batch)  # the busiest replica's
         shape = self.shape(c)
         worst = 0.0
         for j in {0, c.pp - 1}:
@@ -165,6 +166,12 @@ class Scorer:
         """Returns the candidate's plan (its layout with its knobs)."""
         sp = self.space
         base = self.layout(c).plan
+        if self.global_batch % c.dp:  # uneven: the shares of this micro-batch size
+            shares = replica_shares(self.global_batch, c.dp, c.micro_batch)
+            assert shares is not None
+            pipes = tuple(replace(p, batch_size=s)
+                          for p, s in zip(base.pipelines, shares, strict=True))  # fmt: skip
+            base = replace(base, pipelines=pipes)
         if c.lightened:
             base = lighten(base, c.virtual_stages)
         return replace(
@@ -211,7 +218,7 @@ class Scorer:
         lay = self.layout(c)
         plan = self.knob_plan(c)
         v = c.virtual_stages
-        m = self.global_batch // c.dp // c.micro_batch
+        m = most_micro_batches(self.global_batch, c.dp, c.micro_batch)  # the busiest replica
         p = c.pp
         shards = c.dp if c.zero_stage >= 1 else 1
         exposed_by_stage = lay.sync_s.get(c.zero_stage)

@@ -25,6 +25,22 @@ def _even_split(layers: int, stages: int) -> tuple[int, ...]:
     return tuple(out)
 
 
+def replica_shares(global_batch: int, dp: int, micro_batch: int) -> list[int] | None:
+    """Returns each replica's batch share: the global batch over ``dp`` equally where it
+    divides; else its ``global_batch / micro_batch`` micro-batches as evenly as they go
+    (the first replicas one more), so a GPU count the batch does not divide still runs every
+    replica; None where neither holds (a micro-batch that does not divide the batch, or
+    fewer micro-batches than replicas)."""
+    if dp <= 0:
+        return None
+    if global_batch % dp == 0:
+        return [global_batch // dp] * dp
+    if micro_batch <= 0 or global_batch % micro_batch or global_batch // micro_batch < dp:
+        return None
+    q, r = divmod(global_batch // micro_batch, dp)
+    return [(q + 1) * micro_batch] * r + [q * micro_batch] * (dp - r)
+
+
 def uniform_plan(
     cluster: Cluster,
     layers: int,
@@ -36,7 +52,8 @@ def uniform_plan(
     devices: list[str] | None = None,
     **options: object,
 ) -> Plan:
-    """Returns the Megatron-layout plan: TP innermost inside a node, then DP, then PP.
+    """Returns the Megatron-layout plan: TP innermost inside a node, then DP, then PP;
+    batch shares by ``replica_shares`` (equal where ``dp`` divides the batch).
 
     Rank ``((stage * dp) + replica) * tp + t`` takes the rank-th device in node order.
     """
@@ -44,9 +61,12 @@ def uniform_plan(
     need = tp * pp * dp
     if need > len(devs):
         raise InputError("degrees", f"tp*pp*dp = {need} exceeds the {len(devs)} GPUs")
-    if global_batch % dp:
+    shares = replica_shares(global_batch, dp, micro_batch)
+    if shares is None:
         raise InputError(
-            "--dp", f"data-parallel degree {dp} does not divide the batch {global_batch}"
+            "--dp",
+            f"data-parallel degree {dp} does not divide the batch {global_batch}, nor do "
+            f"its micro-batches of {micro_batch} spread over {dp} replicas",
         )
     if pp > layers:
         raise InputError("--pp", f"{pp} stages for {layers} layers")
@@ -57,7 +77,7 @@ def uniform_plan(
         for s in range(pp):
             base = (s * dp + r) * tp
             stages.append(Stage(split[s], tuple(devs[base : base + tp])))
-        pipelines.append(Pipeline(global_batch // dp, tuple(stages)))
+        pipelines.append(Pipeline(shares[r], tuple(stages)))
     return Plan(
         global_batch_size=global_batch,
         micro_batch_size=micro_batch,
