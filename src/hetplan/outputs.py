@@ -79,5 +79,9 @@ def finite(obj: Any) -> Any:
 
 
 def json_text(obj: Any) -> str:
-    """Returns ``obj`` as standard JSON on one line (non-finite numbers as null)."""
-    return json.dumps(finite(obj), allow_nan=False)
+    """Returns ``obj`` as standard JSON on one line (non-finite numbers as null: the copy
+    ``finite`` makes only where there is one)."""
+    try:
+        return json.dumps(obj, allow_nan=False)
+    except ValueError:
+        return json.dumps(finite(obj), allow_nan=False)

@@ -35,6 +35,7 @@ from hetplan.elastic.transfer import (
     survey,
 )
 from hetplan.errors import InputError
+from hetplan.runtime.checkpoint import check_resume
 from hetplan.runtime.config import RunConfig
 from hetplan.runtime.launch import WORKER, _env, preflight, worker_args
 
@@ -98,14 +99,8 @@ def check_elastic_checkpoints(cfg: RunConfig, store: ShardStore, local_root: Pat
                              " on a node): --resume to continue, or name another")  # fmt: skip
         return
     man = None if latest is None else store.manifest(latest)
-    if man is None:
-        return
-    if cfg.steps <= int(man["step"]):
-        raise InputError("--steps", f"the checkpoint is at step {man['step']}: "
-                         f"{cfg.steps} steps leave nothing to train")  # fmt: skip
-    if int(man.get("seed", cfg.seed)) != cfg.seed:
-        raise InputError("--seed", f"checkpoint step {man['step']} was trained with seed "
-                         f"{man['seed']}, not {cfg.seed}")  # fmt: skip
+    if man is not None:
+        check_resume(int(man["step"]), int(man.get("seed", cfg.seed)), cfg.steps, cfg.seed)
 
 
 def run_elastic(

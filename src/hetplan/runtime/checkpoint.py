@@ -135,6 +135,18 @@ def check_batch(man: Manifest, global_batch: int, allow_change: bool) -> None:
     )
 
 
+def check_resume(step: int, seed: int, steps: int, run_seed: int) -> None:
+    """Raises InputError unless a run to ``steps`` with ``run_seed`` can resume from the
+    checkpoint of ``step`` trained with ``seed``: something left to train, and the same
+    seed (the data order and the dropout masks follow it)."""
+    if steps <= step:
+        raise InputError("--steps", f"the checkpoint is at step {step}: "
+                         f"{steps} steps leave nothing to train")  # fmt: skip
+    if seed != run_seed:
+        raise InputError("--seed", f"checkpoint {step_dir_name(step)} was trained with seed "
+                         f"{seed}, not {run_seed}")  # fmt: skip
+
+
 def staging_dir(root: Path, step: int) -> Path:
     """Returns the staging directory for the checkpoint at ``step``."""
     return root / f".staging-{step_dir_name(step)}"

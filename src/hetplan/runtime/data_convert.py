@@ -27,9 +27,9 @@ CHUNK_BYTES = 1 << 20
 
 
 def _encoder(tokenizer: Path | None) -> tuple[Any, int]:
-    """Returns (encode function, vocabulary size)."""
-    if tokenizer is None:  # bytes: read as bytes by ``convert_text``
-        return (lambda text: list(text.encode("utf-8"))), 256
+    """Returns (encode function, vocabulary size); no function for the file's bytes."""
+    if tokenizer is None:
+        return None, 256
     if tokenizer.is_dir():
         tokenizer = tokenizer / "tokenizer.json"
     if not tokenizer.is_file():
@@ -62,6 +62,19 @@ def _blocks(f: TextIO, size: int) -> Iterator[str]:
         yield "".join(block)
 
 
+def _id_blocks(src: Path, encode: Any, dtype: str) -> Iterator[np.ndarray]:
+    """Yields the token ids of ``src`` block by block: without ``encode`` the file's bytes,
+    every one (as ``launch --data`` reads a text file); else its text's ids."""
+    if encode is None:
+        with src.open("rb") as f:
+            for chunk in iter(lambda: f.read(CHUNK_BYTES), b""):
+                yield np.frombuffer(chunk, dtype=np.uint8).astype(dtype)
+        return
+    with src.open("r", encoding="utf-8", errors="replace") as f:
+        for text in _blocks(f, CHUNK_BYTES):
+            yield np.asarray(encode(text), dtype=dtype)
+
+
 def convert_text(src: Path, out: Path, tokenizer: Path | None = None) -> dict[str, Any]:
     """Writes the token ids of text file ``src`` to ``out`` (atomically); returns a summary."""
     if not src.is_file():
@@ -76,24 +89,8 @@ def convert_text(src: Path, out: Path, tokenizer: Path | None = None) -> dict[st
     if suffix == ".bin" and dtype == "uint32":
         raise InputError("--out", f"a vocabulary of {vocab} needs uint32 ids: name it .u32")
     count = 0
-    if tokenizer is None:  # the file's bytes, every one (as launch --data reads a text)
-        with (
-            src.open("rb") as fb,
-            output_file(out, "--out", fsync=True) as tmp,
-            tmp.open("wb") as w,
-        ):
-            for chunk in iter(lambda: fb.read(CHUNK_BYTES), b""):
-                ids = np.frombuffer(chunk, dtype=np.uint8).astype("<u2")
-                ids.tofile(w)
-                count += len(ids)
-        return {"out": str(out), "tokens": count, "dtype": dtype, "vocab": vocab}
-    with (
-        src.open("r", encoding="utf-8", errors="replace") as f,
-        output_file(out, "--out", fsync=True) as tmp,
-        tmp.open("wb") as w,
-    ):
-        for text in _blocks(f, CHUNK_BYTES):
-            ids = np.asarray(encode(text), dtype=dtype)
+    with output_file(out, "--out", fsync=True) as tmp, tmp.open("wb") as w:
+        for ids in _id_blocks(src, encode, dtype):
             ids.astype(ids.dtype.newbyteorder("<"), copy=False).tofile(w)
             count += len(ids)
     return {"out": str(out), "tokens": count, "dtype": dtype, "vocab": vocab}

@@ -62,12 +62,7 @@ def preflight(cfg: RunConfig) -> Checked:
             raise InputError("--resume", "needs --checkpoint-dir")
         man = ckpt.verify_checkpoint(Path(cfg.checkpoint_dir), model)
         ckpt.check_batch(man, plan.global_batch_size, cfg.allow_batch_change)
-        if cfg.steps <= man.step:
-            raise InputError("--steps", f"the checkpoint is at step {man.step}: "
-                             f"{cfg.steps} steps leave nothing to train")  # fmt: skip
-        if man.seed != cfg.seed:  # the data order and dropout follow the seed
-            raise InputError("--seed", f"checkpoint {man.path.name} was trained with seed "
-                             f"{man.seed}, not {cfg.seed}")  # fmt: skip
+        ckpt.check_resume(man.step, man.seed, cfg.steps, cfg.seed)
         resume_step = man.step
     elif cfg.checkpoint_dir and Path(cfg.checkpoint_dir).exists():
         root = Path(cfg.checkpoint_dir)

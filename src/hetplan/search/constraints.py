@@ -257,6 +257,14 @@ def _meet(
     return tuple(x for x in current if x in allowed)
 
 
+def require_mixed_schedule(c: PlanConstraints, what: str) -> None:
+    """Raises naming --schedule when the constraints allow only GPipe, which the search of
+    ``what`` (mixed clusters, mixes) does not cover: it runs 1F1B and Interleaved1F1B."""
+    if c.schedule is not None and not {"1F1B", "Interleaved1F1B"} & set(c.schedule):
+        raise InputError("--schedule", f"the search of {what} runs 1F1B and Interleaved1F1B; "
+                         "GPipe is searched on one GPU type")  # fmt: skip
+
+
 def homogeneous_space(c: PlanConstraints, base: SearchSpace | None = None) -> SearchSpace:
     """Returns the homogeneous search's space narrowed to the constraints."""
     base = base or SearchSpace()

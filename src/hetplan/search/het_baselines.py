@@ -11,6 +11,7 @@ from hetplan.cluster import Cluster
 from hetplan.cost.estimate import estimate
 from hetplan.cost.estimate_result import Estimate
 from hetplan.cost.params import CostParams
+from hetplan.cost.sharding import deferred
 from hetplan.errors import InputError
 from hetplan.model import ModelSpec
 from hetplan.plan import Plan
@@ -109,7 +110,7 @@ def best_uniform(
                     zeros = tuple(z for z in c.zero_stage if z <= 3)
                 for rc in recomputes:
                     for zero in zeros:
-                        if zero >= 2 and pp > 1:  # dominated (cost.sharding.deferred)
+                        if deferred(zero, dp, pp > 1, False):  # ZeRO-1's time, more memory
                             continue
                         sp = tp > 1 if c.sequence_parallel is None else c.sequence_parallel
                         plan = uniform_plan(

@@ -52,7 +52,7 @@ from hetplan.cost.memory import stage_params, state_bytes
 from hetplan.cost.params import CostParams, default_params
 from hetplan.errors import InputError
 from hetplan.model import ModelSpec
-from hetplan.search.constraints import PlanConstraints
+from hetplan.search.constraints import PlanConstraints, require_mixed_schedule
 from hetplan.search.grouping import device_classes
 from hetplan.search.het_baselines import best_single_type, best_uniform
 from hetplan.search.het_bounds import PlanBounds
@@ -124,11 +124,7 @@ def search_with(
     if not classes:
         raise InputError("--precision", f"no GPU of the cluster supports {precision}")
     constraints = constraints or PlanConstraints()
-    if constraints.schedule is not None and not {"1F1B", "Interleaved1F1B"} & set(
-        constraints.schedule
-    ):  # GPipe: 1F1B's time with every micro-batch held, searched on one GPU type only
-        raise InputError("--schedule", "the search of mixed clusters runs 1F1B and "
-                         "Interleaved1F1B; GPipe is searched on one GPU type")  # fmt: skip
+    require_mixed_schedule(constraints, "mixed clusters")
     if constraints.flash_attention is not None:
         flash_attention = constraints.flash_attention
     single, more = best_single_type(

@@ -30,7 +30,7 @@ from hetplan.errors import InputError
 from hetplan.market import Market, Offer, pricing_name
 from hetplan.model import ModelSpec
 from hetplan.plan import Plan
-from hetplan.search.constraints import PlanConstraints, homogeneous_space
+from hetplan.search.constraints import PlanConstraints, homogeneous_space, require_mixed_schedule
 from hetplan.search.homogeneous import search_homogeneous
 from hetplan.search.homogeneous_candidates import SearchSpace
 from hetplan.search.homogeneous_scoring import SearchMemo
@@ -298,13 +298,8 @@ def provision(
         and (limits.gpu_types is None or o.gpu.name.lower() in
              {t.lower() for t in limits.gpu_types})
     ]  # fmt: skip
-    if (
-        mixes
-        and limits.schedule is not None
-        and not {"1F1B", "Interleaved1F1B"} & set(limits.schedule)
-    ):
-        raise InputError("--schedule", "the search of mixes runs 1F1B and Interleaved1F1B; "
-                         "GPipe is searched on one GPU type")  # fmt: skip
+    if mixes:
+        require_mixed_schedule(limits, "mixes")
     left_out = [o.name for o in market.offers if not o.has_price(pricing)]
     if len(left_out) == len(market.offers):
         raise InputError("--spot" if spot else "--pricing",
