@@ -129,18 +129,25 @@ def test_spot_mixes_front_and_bounds_against_brute_force(offers):
 
 
 def test_bounds_made_too_tight_lose_a_front_point(monkeypatch):
-    """The same search with every iteration floor scaled by 1.2 prunes a configuration the
-    brute force puts on the front: the front test above can tell a true bound from a false
-    one."""
+    """The same search with every floor (single types, mixes, the spot mixes' stage bound)
+    doubled prunes a mix the brute force puts on the front: the front test above can tell a
+    true bound from a false one. (Planned cheapest first, the single types' points are the
+    slow end of the front; the mixes beside them are what a false bound loses.)"""
     market = market_from_dict({"offers": MARKETS[0]})
     model = load_model(MODEL)
     want = _pareto(_brute_force(market))
-    floor = prov.iteration_floor_s
-    monkeypatch.setattr(prov, "iteration_floor_s", lambda *a, **k: 1.2 * floor(*a, **k))
+    floor, mix, spot = (
+        prov.iteration_floor_s,
+        mixes_mod.mix_iteration_floor_s,
+        mixes_mod.mix_time_floor_s,
+    )
+    monkeypatch.setattr(prov, "iteration_floor_s", lambda *a, **k: 2.0 * floor(*a, **k))
+    monkeypatch.setattr(mixes_mod, "mix_iteration_floor_s", lambda *a, **k: 2.0 * mix(*a, **k))
+    monkeypatch.setattr(mixes_mod, "mix_time_floor_s", lambda *a, **k: 2.0 * spot(*a, **k))
     got = prov.provision(model, market, TOKENS, BATCH, "fp16", spot=True, mixes=True)
     assert not _same(_front(got), want)
     missing = [g for g, _, _ in want if g not in [p.gpus for p in got.front]]
-    assert missing
+    assert missing == [{"L4": 1, "T4": 4}]
 
 
 def test_impossible_configurations_are_counted_by_reason(tmp_path):
@@ -214,3 +221,39 @@ def test_stage_grid_and_the_stage_bound_tighten_where_nodes_are_many():
     load = mixed_load([offer_load(a, 8, terms), offer_load(b, 1, terms)])
     t = TOKENS / est.tokens_per_s * slowdowns(*load, terms, checkpoint_time_s(plan, model))
     assert tight <= t
+
+
+def _point(t, usd):
+    return pts.Point({"T4": 1}, False, t, usd, 0.0)
+
+
+def test_dominated_from_by_hand():
+    """Points (10 s, $100) and (20 s, $50), a configuration at $3,600 an hour ($1 a second):
+    at t it costs $t, so the second point dominates it from t = 50 (20 <= 50, 50 <= 50), the
+    first only from t = 100; just below 50 nothing does."""
+    points = [_point(10.0, 100.0), _point(20.0, 50.0)]
+    assert pts.dominated_from_s(3600.0, points) == pytest.approx(50.0)
+    assert pts.dominated(50.0, 50.0, points)
+    assert not pts.dominated(49.9, 49.9, points)
+    # faster than every point: never dominated below the fastest point's time
+    assert pts.dominated_from_s(3600.0 * 1000, points) == pytest.approx(10.0)
+    assert pts.dominated_from_s(3600.0, []) == np.inf
+
+
+def test_homogeneous_cutoff_returns_the_best_below_it_and_nothing_above():
+    """``cutoff``: with the best plan's time a hair above it the search returns nothing; a
+    hair below, that same plan (the provisioning search's cut of dominated plans)."""
+    model = load_model("gpt3-350m")
+    cluster = market_from_dict(
+        {
+            "offers": [
+                {"gpu": "T4", "gpus_per_node": 4, "max_nodes": 3, "on_demand_usd_per_gpu_hour": 0.5}
+            ]
+        }
+    ).offers[0]
+    cl = cluster.cluster(3)
+    best = search_homogeneous(model, cl, 64, "fp16", top_k=1).ranked[0]
+    t = best[1].iteration_time_s
+    assert search_homogeneous(model, cl, 64, "fp16", top_k=1, cutoff=t * (1 - 1e-6)).ranked == []
+    again = search_homogeneous(model, cl, 64, "fp16", top_k=1, cutoff=t * (1 + 1e-6)).ranked
+    assert again[0][1].iteration_time_s == t

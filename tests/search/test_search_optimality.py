@@ -939,3 +939,68 @@ def test_homogeneous_first_plan_with_lightened_layouts_is_the_exhaustive_best():
     _check(out)
     assert out.brute.best is not None
     assert out.brute.best.pipelines[0].stages[0].chunks is not None
+
+
+SPOT_CASES = [  # (model, offer: GPU, GPUs per node, nodes; batch); a preemption every 5 node-hours
+    ("gpt3-350m", ("T4", 1, 12), 64),
+    ("gpt3-760m", ("L4", 2, 5), 32),
+    ("gpt2-medium", ("V100-16GB", 4, 3), 48),
+]
+
+
+@pytest.mark.parametrize("case", SPOT_CASES, ids=lambda c: f"{c[0]}-{c[1][0]}")
+def test_spot_weighted_search_is_the_exhaustive_best(case):
+    """On spot a plan trains at its iteration time x its own slowdown (its checkpoint: its
+    fullest node's shards). The homogeneous search ranking by that product in one pass
+    (``weight``, the proven slowdown floor as ``weight_floor``), and ``best_spot_plan``
+    asking it for more plans by iteration time, both return the least product of every plan
+    this module enumerates, each estimated and slowed by ``checkpoint_time_s``; 48 ranks
+    (batch 48) leave DP degrees that do not divide the batch too."""
+    from hetplan.search.spot import (
+        SpotTerms,
+        best_spot_plan,
+        checkpoint_floor_s,
+        checkpoint_time_s,
+        offer_load,
+        slowdowns,
+    )
+
+    name, (gpu, gpn, nodes), batch = case
+    model = load_model(name)
+    market = market_from_dict({"offers": [{
+        "gpu": gpu, "gpus_per_node": gpn, "max_nodes": nodes, "on_demand_usd_per_gpu_hour": 1.0,
+        "spot_usd_per_gpu_hour": 0.5, "preemption_rate_per_node_hour": 0.2,
+        "restart_time": "10m"}]})  # fmt: skip
+    offer = market.offers[0]
+    terms = replace(SpotTerms(), state_bytes=12.0 * model.total_params())
+    load = offer_load(offer, nodes, terms)
+    cluster = offer.cluster(nodes, "spot")
+    params = default_params()
+
+    def slow(plan: Plan) -> float:
+        return float(slowdowns(*load, terms, checkpoint_time_s(plan, model)))
+
+    best, weights = math.inf, set()
+    for plan in homogeneous_plans(model, cluster.nodes, batch, "fp16", Knobs()):
+        try:
+            validate_plan(plan, model, cluster)
+        except InputError:
+            continue
+        est = estimate(plan, model, cluster, params, validate=False)
+        if est.fits:
+            weights.add(round(slow(plan), 9))
+            best = min(best, est.iteration_time_s * slow(plan))
+    assert math.isfinite(best) and len(weights) > 1  # the weight tells plans apart
+    floor = float(slowdowns(*load, terms, checkpoint_floor_s(model, nodes), True))
+    assert 1.0 <= floor <= min(weights)
+    space = Knobs().space()
+
+    def ranked_by(k: int, weight=None):
+        return search_homogeneous(model, cluster, batch, "fp16", k, params, space,
+                                  weight=weight, weight_floor=floor).ranked  # fmt: skip
+
+    plan, est = ranked_by(1, slow)[0]
+    assert est.iteration_time_s * slow(plan) == pytest.approx(best, rel=1e-9)
+    again = best_spot_plan(ranked_by, slow, floor)
+    assert again is not None
+    assert again[1].iteration_time_s * again[2] == pytest.approx(best, rel=1e-9)

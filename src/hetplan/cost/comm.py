@@ -92,26 +92,30 @@ def group_allreduce_s(
         return volume * intra_node_allreduce_s(size_bytes, n, node, params)
     k = min(per_node.values())
     intra = 0.0
-    if k > 1:
-        intra = max(
-            intra_node_allreduce_s(size_bytes, c, nodes[name], params)
-            for name, c in per_node.items()
-        )
+    if k > 1:  # each distinct (node kind, local count) once
+        kinds = {(nodes[name].gpu.name, nodes[name].intra_node_bytes_per_s, c): (nodes[name], c)
+                 for name, c in per_node.items()}  # fmt: skip
+        intra = max(intra_node_allreduce_s(size_bytes, c, node, params)
+                    for node, c in kinds.values())  # fmt: skip
     num_nodes = len(per_node)
     shard = size_bytes / k
     conc = node_concurrency or {}
-    shares = []
+    shares: dict[tuple[str, float, int], float] = {}  # per node kind and talkers: its share
     for name, local in per_node.items():
         talkers = max(conc.get(name, local), 1)
         node = nodes[name]
+        key = (node.gpu.name, node.network_bytes_per_s, talkers)
+        if key in shares:
+            continue
         measured = params.compute.network_bw(node.gpu.name, "inter", talkers, shard)
         if measured is not None:  # the node's achieved aggregate with ``talkers`` GPUs
-            shares.append(measured / talkers)
+            shares[key] = measured / talkers
         else:
             eff = params.network_efficiency_of(node.gpu.name)
-            shares.append(node.network_bytes_per_s * eff / talkers)
-    inter = ring_allreduce_bytes(shard, num_nodes) / min(shares)
-    latency = 2 * (num_nodes - 1) * max(params.inter_latency_of(n.gpu.name) for n in nodes.values())
+            shares[key] = node.network_bytes_per_s * eff / talkers
+    inter = ring_allreduce_bytes(shard, num_nodes) / min(shares.values())
+    gpus = {key[0] for key in shares}
+    latency = 2 * (num_nodes - 1) * max(params.inter_latency_of(g) for g in gpus)
     # NCCL pipelines chunks through the intra- and inter-node hops at once: the slower
     # phase sets the time, not their sum
     return volume * (max(intra, inter) + latency)

@@ -139,8 +139,15 @@ class SyncLayout:
     """One node of each GPU type the plan's devices are on, how many nodes they are on, and
     the most devices the plan uses on one of them (the step's all-reduces of one number
     span them all: ``comm.scalar_allreduce_s``)."""
-    classes: dict[bool, tuple[Any, ...]] = field(default_factory=dict, repr=False)
-    """``layout_classes``' memo: per interleaving, (pipelines, talkers, pipeline classes)."""
+    classes: dict[tuple[bool, int], tuple[Any, ...]] = field(default_factory=dict, repr=False)
+    """``layout_classes``' memo: per interleaving and pipelines (their id), (pipelines,
+    talkers, pipeline classes); the pipelines are kept, so their id stays theirs."""
+    sync_times: dict[tuple[Any, ...], tuple[Any, list[float]]] = field(
+        default_factory=dict, repr=False
+    )
+    """``grad_sync_times``' memo: per (ZeRO stage, precision, deferred), the
+    parameters it was computed with and its times (searches estimate many knob settings of
+    one layout; the times read only these)."""
 
 
 def layout_classes(
@@ -148,7 +155,7 @@ def layout_classes(
 ) -> tuple[dict[str, int], list[int]]:
     """Returns the plan's ``pipeline_talkers`` and ``pipeline_classes``, memoised in its
     layout for the same pipelines (searches estimate many knob settings of one layout)."""
-    key = plan.virtual_stages > 1
+    key = (plan.virtual_stages > 1, id(plan.pipelines))
     hit = layout.classes.get(key)
     if hit is not None and hit[0] is plan.pipelines:
         return hit[1], hit[2]
@@ -233,8 +240,22 @@ def grad_sync_times(
     layers gather and reduce-scatter once a step with FSDP: where a profile measured a
     layer's ZeRO-3 cost (``model`` given), its backward's (one gather, one reduce-scatter)
     per layer and step."""
-    out = []
     deferred = deferred_sync(plan)
+    measured = deferred and plan.zero_stage == 3 and model is not None
+    key = (plan.zero_stage, plan.precision, deferred)
+    hit = None if measured else layout.sync_times.get(key)
+    if hit is not None and hit[0] is params:
+        return hit[1]
+    out = _grad_sync_times(layout, plan, params, model, deferred)
+    if not measured:
+        layout.sync_times[key] = (params, out)
+    return out
+
+
+def _grad_sync_times(
+    layout: SyncLayout, plan: Plan, params: CostParams, model: ModelSpec | None, deferred: bool
+) -> list[float]:
+    out = []
     zero3 = plan.zero_stage == 3 and not deferred
     sharded = plan.zero_stage == 1 or deferred or zero3
     e = element_bytes(plan.precision)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
@@ -453,9 +454,10 @@ def estimate(
     gpu_of = {node_of(st.devices[0]).gpu.name: node_of(st.devices[0]).gpu for st in stages}
     peak_sum = 0.0
     money: MoneyParts | None = MoneyParts()  # rental, amortisation, energy (cost/money.py)
-    for row in by_pipe:  # per stage: its devices' peaks and prices (one node each)
-        for st in row:
-            node, n = node_of(st.devices[0]), len(st.devices)
+    repeats = Counter(id(row) for row in by_pipe)  # a repeated pipeline shares its row
+    for row in {id(row): row for row in by_pipe}.values():
+        for st in row:  # per stage: its devices' peaks and prices (one node each)
+            node, n = node_of(st.devices[0]), len(st.devices) * repeats[id(row)]
             peak_sum += n * node.gpu.peak_flops(plan.precision)
             part = node_parts(node)
             money = None if money is None or part is None else money + part.scaled(n)

@@ -45,33 +45,46 @@ def shard_bytes(model: ModelSpec) -> dict[str, int]:
 def stage_units(plan: Plan, model: ModelSpec) -> list[list[set[str]]]:
     """Returns per pipeline, per stage, the shards the stage holds (virtual stages too)."""
     v = plan.virtual_stages if plan.schedule == "Interleaved1F1B" else 1
-    out: list[list[set[str]]] = []
-    for pipe in plan.pipelines:
-        p = len(pipe.stages)
-        units: list[set[str]] = [set() for _ in range(p)]
-        start = 0
-        for c in range(v):
-            for j, stage in enumerate(pipe.stages):
-                n = stage.chunk_layers(v)[c]  # uneven chunks (Stage.chunks) too
-                units[j].update(layer_unit(i) for i in range(start, start + n))
-                start += n
-                if c == 0 and j == 0:
+    return [[set(u) for u in _pipeline_units(pipe.stages, v, model)] for pipe in plan.pipelines]
+
+
+def _pipeline_units(stages: Any, v: int, model: ModelSpec) -> list[frozenset[str]]:
+    """Returns per stage of one pipeline the shards it holds, with ``v`` model chunks."""
+    p = len(stages)
+    units: list[set[str]] = [set() for _ in range(p)]
+    start = 0
+    for c in range(v):
+        for j, stage in enumerate(stages):
+            n = stage.chunk_layers(v)[c]  # uneven chunks (Stage.chunks) too
+            units[j].update(layer_unit(i) for i in range(start, start + n))
+            start += n
+            if c == 0 and j == 0:
+                units[j].add(EMBED)
+            if c == v - 1 and j == p - 1:
+                units[j].add(HEAD)
+                if model.tie_embeddings:
                     units[j].add(EMBED)
-                if c == v - 1 and j == p - 1:
-                    units[j].add(HEAD)
-                    if model.tie_embeddings:
-                        units[j].add(EMBED)
-        out.append(units)
-    return out
+    return [frozenset(u) for u in units]
 
 
 def node_shards(plan: Plan, model: ModelSpec) -> dict[str, frozenset[str]]:
-    """Returns node -> the shards its devices hold under ``plan``."""
+    """Returns node -> the shards its devices hold under ``plan``. Pipelines of the same
+    stage layers (every replica of a uniform plan) share one computation of their units."""
+    v = plan.virtual_stages if plan.schedule == "Interleaved1F1B" else 1
+    memo: dict[tuple[tuple[int, ...], ...], list[frozenset[str]]] = {}
     out: dict[str, set[str]] = {}
-    for pipe, units in zip(plan.pipelines, stage_units(plan, model), strict=True):
+    for pipe in plan.pipelines:
+        key = tuple(tuple(stage.chunk_layers(v)) for stage in pipe.stages)
+        units = memo.get(key)
+        if units is None:
+            units = memo[key] = _pipeline_units(pipe.stages, v, model)
         for stage, us in zip(pipe.stages, units, strict=True):
-            for d in stage.devices:
-                out.setdefault(node_of(d), set()).update(us)
+            for n in {node_of(d) for d in stage.devices}:
+                held = out.get(n)
+                if held is None:
+                    out[n] = set(us)
+                else:
+                    held |= us
     return {n: frozenset(s) for n, s in out.items()}
 
 

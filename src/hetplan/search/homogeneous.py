@@ -7,7 +7,9 @@ The parts: ``homogeneous_candidates`` (the space, its points and their plans) an
 
 from __future__ import annotations
 
+import heapq
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from hetplan.cluster import Cluster
@@ -72,33 +74,70 @@ def search_homogeneous(
     flash_attention: bool = True,
     memo: SearchMemo | None = None,
     progress: ProgressHook | None = None,
+    weight: Callable[[Plan], float] | None = None,
+    weight_floor: float = 1.0,
+    cutoff: float = math.inf,
 ) -> SearchResult:
     """Returns the top-k plans for a cluster of one GPU type by estimate(), best first,
     deterministically.
 
     Candidates are visited in order of a proven lower bound of their estimate() time and
     estimated exactly until the bound reaches the k-th best time found: no candidate that
-    could rank in the top k is skipped. ``progress`` is told after every estimate
-    (candidates estimated, of the fitting ones at most, and the best time so far)."""
+    could rank in the top k is skipped. The bound comes in two steps: every candidate's
+    without its gradient reduction (``Scorer.bound_s``, no data-parallel layout needed),
+    raised to the whole bound when the candidate comes first in the order; only then is it
+    estimated if it still comes first. ``progress`` is told after every estimate
+    (candidates estimated, of the fitting ones at most, and the best time so far).
+
+    ``weight``: rank by the iteration time x ``weight(plan)`` instead (a spot run's
+    slowdown, which its checkpoint sets), a factor that must depend only on the plan's
+    placement of layers on devices: its degrees, its chunks (interleaving, lightened
+    stages), not its micro-batch, recomputation or ZeRO stage; ``weight_floor``: at most
+    any plan's weight. The weight is computed once per placement, when one of its
+    candidates first comes first in the order; a candidate of infinite weight (a run that
+    never finishes) is never estimated.
+
+    ``cutoff``: plans ranking above it (iteration time, x the weight) are not wanted: none
+    is returned, and the visit stops once the bound passes it, so a search may return
+    fewer plans, or none (``provision``: the front found so far dominates every plan of a
+    configuration slower than its cutoff)."""
     params = params or default_params()
     space = space or SearchSpace()
     scorer = Scorer(model, cluster, precision, global_batch, params, flash_attention,
                      memo or SearchMemo(), space)  # fmt: skip
     sc = score_candidates(model, cluster, global_batch, precision, params, space,
-                          flash_attention, scorer=scorer)  # fmt: skip
+                          flash_attention, scorer=scorer, sync=False)  # fmt: skip
     result = SearchResult([], sc.candidates, sc.fitting, sc.min_memory_bytes)
+    floor = weight_floor if weight is not None else 1.0
+    # (lower bound, tie-break, refined, index): sorted by the cheap bound, hence a heap
+    heap = [(b * floor, tiebreak(c), False, i) for i, (b, c) in enumerate(sc.ranked)]
+    weights: dict[tuple[object, ...], float] = {}
     ranked: list[tuple[float, tuple[object, ...], Plan, Estimate]] = []
     evaluated = 0
-    for bound, c in sc.ranked:
-        if len(ranked) >= top_k and bound > ranked[top_k - 1][0]:
+    while heap:
+        bound, tb, refined, i = heapq.heappop(heap)
+        if bound > cutoff or (len(ranked) >= top_k and bound > ranked[top_k - 1][0]):
             break
+        c = sc.ranked[i][1]
+        w = 1.0
+        if weight is not None:
+            v = c.virtual_stages if c.schedule == "Interleaved1F1B" else 1
+            key = (c.tp, c.pp, c.dp, v, c.lightened)
+            if key not in weights:
+                weights[key] = weight(scorer.knob_plan(c))
+            w = weights[key]
+            if not math.isfinite(w):
+                continue
+        if not refined:
+            heapq.heappush(heap, (scorer.bound_s(c) * w, tb, True, i))
+            continue
         # the candidate's plan on its layout's pipelines, whose sync layout is known
         plan = scorer.knob_plan(c)
         est = estimate(plan, model, cluster, params, validate=False,
                        layout=scorer.layout(c).sync)  # fmt: skip
         evaluated += 1
-        if est.fits:
-            ranked.append((est.iteration_time_s, tiebreak(c), plan, est))
+        if est.fits and est.iteration_time_s * w <= cutoff:
+            ranked.append((est.iteration_time_s * w, tb, plan, est))
             ranked.sort(key=lambda x: (x[0], x[1]))
         if progress is not None:
             progress(SearchProgress(evaluated, len(sc.ranked), ranked[0][0] if ranked else None))

@@ -88,6 +88,13 @@ class Scorer:
     memo: SearchMemo
     space: SearchSpace
     layouts: dict[tuple[int, int, int], _Layout] = field(default_factory=dict)
+    shared: dict[tuple[int, int, int, int], Plan] = field(default_factory=dict)
+    """The layout's plan with each replica's share of the batch, per micro-batch size
+    (where the DP degree does not divide the batch; one replace per pipeline, built once)."""
+    first_nodes: dict[tuple[int, int, int], list[Node]] = field(default_factory=dict)
+    """Per (tp, pp, dp): the node of each stage of pipeline 0 (``stage_nodes``)."""
+    stubs: dict[tuple[object, ...], Plan] = field(default_factory=dict)
+    devices: list[str] = field(default_factory=list)
 
     def shape(self, c: Candidate) -> _Shape:
         """Returns the candidate's activation sizes (they do not depend on its DP degree)."""
@@ -162,16 +169,54 @@ class Scorer:
             hit = self.layouts[key] = _Layout(plan, nodes, sync, holds)
         return hit
 
+    def stage_nodes(self, c: Candidate) -> list[Node]:
+        """Returns the node of each stage of pipeline 0 in ``uniform_plan``'s placement
+        (stage s starts at rank s x dp x tp), without building the layout."""
+        key = (c.tp, c.pp, c.dp)
+        hit = self.first_nodes.get(key)
+        if hit is None:
+            lay = self.layouts.get(key)
+            if lay is not None:
+                hit = lay.nodes
+            else:
+                if not self.devices:
+                    self.devices = list(self.cluster.devices())
+                node_of = self.cluster.device_node
+                hit = [node_of(self.devices[s * c.dp * c.tp]) for s in range(c.pp)]
+            self.first_nodes[key] = hit
+        return hit
+
+    def knobs(self, c: Candidate) -> Plan:
+        """Returns a plan of the candidate's knobs and no pipelines: what ``stage_times``
+        and ``part_split`` read (they read no devices)."""
+        key = (c.micro_batch, c.recompute, c.zero_stage, c.schedule, c.virtual_stages,
+               c.sequence_parallel)  # fmt: skip
+        hit = self.stubs.get(key)
+        if hit is None:
+            sp = self.space
+            hit = self.stubs[key] = Plan(
+                c.micro_batch, c.micro_batch, (), precision=self.precision,
+                recompute=c.recompute, zero_stage=c.zero_stage, schedule=c.schedule,
+                virtual_stages=c.virtual_stages, sequence_parallel=c.sequence_parallel,
+                flash_attention=self.flash, overlap_grad_reduce=sp.overlap_grad_reduce,
+                overlap_tp_comm=sp.overlap_tp_comm,
+            )  # fmt: skip
+        return hit
+
     def knob_plan(self, c: Candidate) -> Plan:
         """Returns the candidate's plan (its layout with its knobs)."""
         sp = self.space
         base = self.layout(c).plan
         if self.global_batch % c.dp:  # uneven: the shares of this micro-batch size
-            shares = replica_shares(self.global_batch, c.dp, c.micro_batch)
-            assert shares is not None
-            pipes = tuple(replace(p, batch_size=s)
-                          for p, s in zip(base.pipelines, shares, strict=True))  # fmt: skip
-            base = replace(base, pipelines=pipes)
+            key = (c.tp, c.pp, c.dp, c.micro_batch)
+            hit = self.shared.get(key)
+            if hit is None:
+                shares = replica_shares(self.global_batch, c.dp, c.micro_batch)
+                assert shares is not None
+                pipes = tuple(replace(p, batch_size=s)
+                              for p, s in zip(base.pipelines, shares, strict=True))  # fmt: skip
+                hit = self.shared[key] = replace(base, pipelines=pipes)
+            base = hit
         if c.lightened:
             base = lighten(base, c.virtual_stages)
         return replace(
@@ -205,7 +250,7 @@ class Scorer:
             out.append(exposed)
         return out
 
-    def bound_s(self, c: Candidate) -> float:
+    def bound_s(self, c: Candidate, sync: bool = True) -> float:
         """Returns a lower bound of estimate()'s iteration time of the candidate's plan.
 
         Per stage j, with per-micro-batch forward F, backward-side B (backward, recompute,
@@ -213,21 +258,28 @@ class Scorer:
         every earlier stage (sum F/v), it then computes m (F + B), and after its last
         backward the earlier stages still run one backward chunk each (sum B/v) before
         stage 0 ends; a stage ends with the part of its gradient reduction no overlap can
-        hide, then its optimizer step. Transfers and waits only add (left out)."""
+        hide, then its optimizer step. Transfers and waits only add (left out).
+
+        ``sync`` False: without the gradient reduction (a smaller bound that needs no
+        data-parallel layout: the search refines it only for candidates it reaches)."""
         model, params, memo = self.model, self.params, self.memo
-        lay = self.layout(c)
-        plan = self.knob_plan(c)
+        plan = self.knobs(c)
         v = c.virtual_stages
         m = most_micro_batches(self.global_batch, c.dp, c.micro_batch)  # the busiest replica
         p = c.pp
         shards = c.dp if c.zero_stage >= 1 else 1
-        exposed_by_stage = lay.sync_s.get(c.zero_stage)
-        if exposed_by_stage is None:
-            exposed_by_stage = lay.sync_s[c.zero_stage] = self._exposed(lay, plan)
+        if sync:
+            lay = self.layout(c)
+            exposed_by_stage = lay.sync_s.get(c.zero_stage)
+            if exposed_by_stage is None:
+                exposed_by_stage = lay.sync_s[c.zero_stage] = self._exposed(lay, self.knob_plan(c))
+        else:
+            exposed_by_stage = [0.0] * p
+        split = self.shape(c).split
         starts, tails, busy, ends = 0.0, 0.0, [], []
         f_acc = b_acc = 0.0
-        for j, node in enumerate(lay.nodes):
-            layers = lay.plan.pipelines[0].stages[j].layers
+        for j, node in enumerate(self.stage_nodes(c)):
+            layers = split[j]
             first, last = j == 0, j == p - 1
             skey = (node.gpu.name, node.intra_node_bytes_per_s, c.tp, layers, first, last,
                     c.micro_batch, c.recompute, v, self.precision, self.flash,
@@ -322,9 +374,11 @@ def score_candidates(
     flash_attention: bool = True,
     memo: SearchMemo | None = None,
     scorer: Scorer | None = None,
+    sync: bool = True,
 ) -> Scored:
     """Returns every fitting candidate with a lower bound of its estimate() time, smallest
-    first (no estimate). ``memo`` may be shared by calls on clusters of the same node type."""
+    first (no estimate). ``memo`` may be shared by calls on clusters of the same node type.
+    ``sync`` False: the bound without the gradient reduction (``Scorer.bound_s``)."""
     params = params or default_params()
     space = space or SearchSpace()
     gpus_per_node = {n.gpus for n in cluster.nodes}
@@ -347,6 +401,6 @@ def score_candidates(
         if peak > gpu.memory_bytes:
             min_mem = min(min_mem, peak)
             continue
-        scored.append((scorer.bound_s(c), tiebreak(c), c))
+        scored.append((scorer.bound_s(c, sync), tiebreak(c), c))
     scored.sort(key=lambda x: (x[0], x[1]))
     return Scored([(t, c) for t, _, c in scored], count, len(scored), min_mem)

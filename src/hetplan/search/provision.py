@@ -19,11 +19,12 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from hetplan.cluster import Cluster
+from hetplan.cluster import Cluster, Node
 from hetplan.cost.estimate_result import Estimate
 from hetplan.cost.params import CostParams, default_params
 from hetplan.errors import InputError
@@ -43,7 +44,8 @@ from hetplan.search.provision_points import (
     ProvisionJob,
     Unexplored,
     count_reason,
-    dominated,
+    dominated_from_s,
+    front_cost,
     gpus_label,
     iterations,
     offer_floor,
@@ -116,16 +118,24 @@ IMPOSSIBLE_REASONS = {
 """Why a configuration has no possible plan (the keys of ``impossible_by_reason``)."""
 
 
-def _single_type(job: ProvisionJob, offer: Offer, points: list[Point]) -> tuple[int, int]:
-    """Adds the points of every node count of one offer; returns (planned, pruned)."""
-    model, tokens, global_batch, precision, spot, params, terms, prune, flash = job.unpack()
-    planned = pruned = 0
-    memo = SearchMemo()
+@dataclass
+class _Counts:
+    """Every node count of one offer that could have a plan, with its proven bounds."""
+
+    offer: Offer
+    nodes: np.ndarray
+    t_lb: np.ndarray
+    slow: np.ndarray
+    usd_hour: np.ndarray
+
+
+def _offer_counts(job: ProvisionJob, offer: Offer) -> _Counts:
+    """Returns the node counts of one offer that could have a plan with their bounds (the
+    iteration floor x iterations x the spot slowdown's floor); the rest are counted by
+    reason in ``job.impossible``."""
+    model, global_batch, spot, terms = job.model, job.global_batch, job.spot, job.terms
     floor = offer_floor(job, offer)
     price = offer.price(job.pricing)
-    # built once (with the user's memory headroom), sliced per count
-    all_nodes = job.limits.apply_to_cluster(offer.cluster(offer.max_nodes, job.pricing)).nodes
-    space = homogeneous_space(job.limits, PROVISION_SPACE)
     most = offer.max_nodes
     if job.max_gpus is not None:
         most = min(most, job.max_gpus // offer.gpus_per_node)
@@ -137,6 +147,7 @@ def _single_type(job: ProvisionJob, offer: Offer, points: list[Point]) -> tuple[
         batch_floor_s(model, global_batch, [floor], counts, per_size=True),
     )
     it_lbs = it_lbs.min(axis=0)  # one micro-batch size per plan: the larger floor at each
+    rows: list[tuple[int, float, float, float]] = []
     for nodes in range(most, 0, -1):
         load = offer_load(offer, nodes, terms)
         # a floor of every plan's checkpoint time (checkpoint_floor_s): one of the slowdown
@@ -144,45 +155,98 @@ def _single_type(job: ProvisionJob, offer: Offer, points: list[Point]) -> tuple[
         if math.isinf(slow):
             count_reason(job.impossible, "spot", 1)
             continue
-        n_gpus = nodes * offer.gpus_per_node
-        usd_hour = price * n_gpus
+        usd_hour = price * nodes * offer.gpus_per_node
         if job.max_usd_per_hour is not None and usd_hour > job.max_usd_per_hour:
             count_reason(job.impossible, "hourly_cap", 1)
             continue
-        it_lb = float(it_lbs[nodes])
-        t_lb = iterations(job) * it_lb * slow
-        if prune and dominated(t_lb, t_lb / 3600 * usd_hour, points):
-            pruned += 1
-            continue
+        rows.append((nodes, iterations(job) * float(it_lbs[nodes]) * slow, slow, usd_hour))
+    cols = [np.array(c, dtype=float) for c in zip(*rows, strict=True)] or [np.zeros(0)] * 4
+    return _Counts(offer, cols[0].astype(int), cols[1], cols[2], cols[3])
+
+
+def _single_types(job: ProvisionJob, offers: list[Offer], points: list[Point]) -> tuple[int, int]:
+    """Adds the points of every node count of every offer that bounds cannot rule out;
+    returns (planned, pruned).
+
+    The bounds of every count are computed first. Until none is left, the counts the points
+    found so far dominate at their bounds are pruned, and the live one closest to the front
+    (smallest ratio of its cost bound to the front's cost at its time bound; beyond the
+    front's fast end first, cheapest first) is planned with the homogeneous search, on spot
+    ranked by each plan's own slowdown (``configuration_plan``). The front is the same in
+    any order; this one builds it from the cheap end, so that it prunes early."""
+    model, tokens, global_batch, precision, spot, params, terms, prune, flash = job.unpack()
+    space = homogeneous_space(job.limits, PROVISION_SPACE)
+    table = [_offer_counts(job, offer) for offer in offers]
+    none = [np.zeros(0)]
+    which = np.concatenate([np.full(t.nodes.size, float(k)) for k, t in enumerate(table)] or none)
+    row = np.concatenate([np.arange(t.nodes.size, dtype=float) for t in table] or none)
+    t_lb = np.concatenate([t.t_lb for t in table] or none)
+    c_lb = t_lb / 3600 * np.concatenate([t.usd_hour for t in table] or none)
+    memos: dict[int, tuple[SearchMemo, list[Node]]] = {}
+    live = np.arange(t_lb.size)
+    planned = pruned = 0
+    while live.size:
+        front = front_cost(t_lb[live], points)
+        if prune:
+            dom = front <= c_lb[live]
+            pruned += int(dom.sum())
+            live, front = live[~dom], front[~dom]
+            if not live.size:
+                break
+        with np.errstate(invalid="ignore", divide="ignore"):
+            ratio = np.where(np.isfinite(front), c_lb[live] / front, 0.0)
+        pick = int(np.lexsort((live, c_lb[live], ratio))[0])
+        q = int(live[pick])
+        live = np.delete(live, pick)
         planned += 1
         job.tick(1, 0, points)
-        cluster = Cluster(all_nodes[:nodes])
+        o, i = int(which[q]), int(row[q])
+        counts = table[o]
+        offer, nodes = counts.offer, int(counts.nodes[i])
+        if o not in memos:  # built once (with the user's memory headroom), sliced per count
+            cluster_all = offer.cluster(offer.max_nodes, job.pricing)
+            memos[o] = (SearchMemo(), list(job.limits.apply_to_cluster(cluster_all).nodes))
+        memo, all_nodes = memos[o]
+        cluster = Cluster(tuple(all_nodes[:nodes]))
+        # a plan training slower than this adds nothing: the points found dominate it
+        # (its iteration time x slowdown; a hair above, so rounding never cuts a plan)
+        cut = math.inf
+        if prune:
+            usd = float(counts.usd_hour[i])
+            cut = dominated_from_s(usd, points) / iterations(job) * (1 + 1e-9)
 
-        def ranked_by(k: int, cluster: Cluster = cluster) -> list[tuple[Plan, Estimate]]:
+        def ranked_by(
+            k: int, cluster: Cluster = cluster, memo: SearchMemo = memo, cut: float = cut
+        ) -> list[tuple[Plan, Estimate]]:
             return search_homogeneous(model, cluster, global_batch, precision, top_k=k,
                                       params=params, space=space, flash_attention=flash,
-                                      memo=memo).ranked  # fmt: skip
+                                      memo=memo, cutoff=cut).ranked  # fmt: skip
+
+        def weighted(
+            slowdown_of: Callable[[Plan], float],
+            floor: float,
+            cluster: Cluster = cluster,
+            memo: SearchMemo = memo,
+            cut: float = cut,
+        ) -> list[tuple[Plan, Estimate]]:
+            return search_homogeneous(model, cluster, global_batch, precision, top_k=1,
+                                      params=params, space=space, flash_attention=flash,
+                                      memo=memo, weight=slowdown_of, weight_floor=floor,
+                                      cutoff=cut).ranked  # fmt: skip
 
         # on spot, the plan's own checkpoint time (its largest node's state)
-        found = configuration_plan(ranked_by, model, terms, load if spot else None, slow)
+        load = offer_load(offer, nodes, terms) if spot else None
+        found = configuration_plan(ranked_by, model, terms, load, float(counts.slow[i]),
+                                   weighted)  # fmt: skip
         if found is None:
             continue
         plan, est, slow = found
         t = tokens / est.tokens_per_s * slow
-        points.append(
-            Point(
-                {offer.gpu.name: n_gpus},
-                spot,
-                t,
-                t / 3600 * usd_hour,
-                usd_hour,
-                plan=plan,
-                estimate=est,
-                cluster=cluster,
-                bound_s=t_lb,
-                pricing=job.pricing,
-            )
-        )
+        usd_hour = float(counts.usd_hour[i])
+        n_gpus = nodes * offer.gpus_per_node
+        points.append(Point({offer.gpu.name: n_gpus}, spot, t, t / 3600 * usd_hour, usd_hour,
+                            plan=plan, estimate=est, cluster=cluster, bound_s=float(t_lb[q]),
+                            pricing=job.pricing))  # fmt: skip
     return planned, pruned
 
 
@@ -328,10 +392,7 @@ def provision(
         return ProvisionResult(points, front, planned, pruned, time.process_time() - start,
                                best, why + choice, 0, pricing=pricing, left_out=left_out,
                                owned_choice=choice.removeprefix("; "))  # fmt: skip
-    for offer in offers:
-        a, b = _single_type(job, offer, points)
-        planned += a
-        pruned += b
+    planned, pruned = _single_types(job, offers, points)
     if mixes:
         a, b, left = explore_mixes(job, offers, points)
         planned += a

@@ -6,6 +6,7 @@ prunes with (``offer_floor``, built from the cost model's own per-layer times).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -158,6 +159,19 @@ def front_cost(t_lb: np.ndarray, points: list[Point]) -> np.ndarray:
     times, costs = front_cost_at(points)
     idx = np.searchsorted(times, t_lb, side="right") - 1  # fastest-enough points: [0, idx]
     return np.where(idx >= 0, costs[np.clip(idx, 0, None)], np.inf)
+
+
+def dominated_from_s(usd_per_hour: float, points: list[Point]) -> float:
+    """Returns the least time to train from which a configuration costing ``usd_per_hour``
+    is dominated by a point found (``front_cost`` at most its cost; inf if never): with
+    point i the fastest-enough at time t, it holds once t >= t_i and t x price >=
+    the least cost C_i of points at least that fast, so at the least over i of
+    max(t_i, C_i / price). A plan of the configuration slower than this adds nothing to
+    the front."""
+    if not points or usd_per_hour <= 0:
+        return math.inf
+    times, costs = front_cost_at(points)
+    return float(np.min(np.maximum(times, costs / usd_per_hour * 3600.0)))
 
 
 def gpus_label(gpus: dict[str, int]) -> str:

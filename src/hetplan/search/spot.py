@@ -54,7 +54,8 @@ def checkpoint_time_s(plan: Plan, model: ModelSpec) -> float:
     """Returns C: the checkpoint bytes of the node holding the most shards under ``plan``
     (``elastic/placement``) over the local-disk write rate."""
     sizes = shard_bytes(model)
-    per_node = [sum(sizes[s] for s in shards) for shards in node_shards(plan, model).values()]
+    held = set(node_shards(plan, model).values())  # nodes holding the same shards: once
+    per_node = [sum(sizes[s] for s in shards) for shards in held]
     return max(per_node, default=0) / LOCAL_WRITE_BYTES_PER_S
 
 
@@ -226,11 +227,16 @@ def configuration_plan(
     terms: SpotTerms,
     load: tuple[Any, Any] | None = None,
     floor: float = 1.0,
+    weighted: Callable[[Callable[[Plan], float], float], list[tuple[Plan, Any]]] | None = None,
 ) -> tuple[Plan, Any, float] | None:
     """Returns a rented configuration's plan, its estimate and its slowdown: on demand
     (``load`` None) the fastest iteration; on spot (``load``: its preemptions a second and
     their fixed cost) ``best_spot_plan``, each plan slowed by its own checkpoint time;
-    ``floor``: a slowdown no plan of the configuration beats. None: no plan."""
+    ``floor``: a slowdown no plan of the configuration beats. None: no plan.
+
+    ``weighted(slowdown_of, floor)``, where the search can rank by iteration time x a
+    plan's slowdown itself (``search_homogeneous``'s ``weight``): its best plan by that
+    product, in one search, the plans that never finish left unestimated."""
     if load is None:
         ranked = ranked_by(1)
         return None if not ranked else (ranked[0][0], ranked[0][1], 1.0)
@@ -238,4 +244,7 @@ def configuration_plan(
     def slowdown_of(plan: Plan) -> float:
         return float(slowdowns(*load, terms, checkpoint_time_s(plan, model)))
 
+    if weighted is not None:
+        ranked = weighted(slowdown_of, floor)
+        return None if not ranked else (ranked[0][0], ranked[0][1], slowdown_of(ranked[0][0]))
     return best_spot_plan(ranked_by, slowdown_of, floor)
