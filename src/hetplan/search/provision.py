@@ -46,6 +46,7 @@ from hetplan.search.provision_points import (
     count_reason,
     dominated_from_s,
     front_cost,
+    front_cost_at,
     gpus_label,
     iterations,
     offer_floor,
@@ -185,8 +186,11 @@ def _single_types(job: ProvisionJob, offers: list[Offer], points: list[Point]) -
     memos: dict[int, tuple[SearchMemo, list[Node]]] = {}
     live = np.arange(t_lb.size)
     planned = pruned = 0
+    at, seen = front_cost_at(points), len(points)
     while live.size:
-        front = front_cost(t_lb[live], points)
+        if len(points) != seen:  # points are only added: sorted again when one is
+            at, seen = front_cost_at(points), len(points)
+        front = front_cost(t_lb[live], points, at)
         if prune:
             dom = front <= c_lb[live]
             pruned += int(dom.sum())
@@ -213,7 +217,7 @@ def _single_types(job: ProvisionJob, offers: list[Offer], points: list[Point]) -
         cut = math.inf
         if prune:
             usd = float(counts.usd_hour[i])
-            cut = dominated_from_s(usd, points) / iterations(job) * (1 + 1e-9)
+            cut = dominated_from_s(usd, points, at) / iterations(job) * (1 + 1e-9)
 
         def ranked_by(
             k: int, cluster: Cluster = cluster, memo: SearchMemo = memo, cut: float = cut

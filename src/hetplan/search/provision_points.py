@@ -152,25 +152,30 @@ def front_cost_at(points: list[Point]) -> tuple[np.ndarray, np.ndarray]:
     return times, costs
 
 
-def front_cost(t_lb: np.ndarray, points: list[Point]) -> np.ndarray:
-    """Returns, per time bound, the least cost of a point at least that fast (inf if none)."""
+def front_cost(
+    t_lb: np.ndarray, points: list[Point], at: tuple[np.ndarray, np.ndarray] | None = None
+) -> np.ndarray:
+    """Returns, per time bound, the least cost of a point at least that fast (inf if none);
+    ``at``: ``front_cost_at(points)`` where the caller has it."""
     if not points:
         return np.full(t_lb.shape, np.inf)
-    times, costs = front_cost_at(points)
+    times, costs = front_cost_at(points) if at is None else at
     idx = np.searchsorted(times, t_lb, side="right") - 1  # fastest-enough points: [0, idx]
     return np.where(idx >= 0, costs[np.clip(idx, 0, None)], np.inf)
 
 
-def dominated_from_s(usd_per_hour: float, points: list[Point]) -> float:
+def dominated_from_s(
+    usd_per_hour: float, points: list[Point], at: tuple[np.ndarray, np.ndarray] | None = None
+) -> float:
     """Returns the least time to train from which a configuration costing ``usd_per_hour``
     is dominated by a point found (``front_cost`` at most its cost; inf if never): with
     point i the fastest-enough at time t, it holds once t >= t_i and t x price >=
     the least cost C_i of points at least that fast, so at the least over i of
     max(t_i, C_i / price). A plan of the configuration slower than this adds nothing to
-    the front."""
+    the front. ``at``: ``front_cost_at(points)`` where the caller has it."""
     if not points or usd_per_hour <= 0:
         return math.inf
-    times, costs = front_cost_at(points)
+    times, costs = front_cost_at(points) if at is None else at
     return float(np.min(np.maximum(times, costs / usd_per_hour * 3600.0)))
 
 
