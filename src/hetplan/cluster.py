@@ -72,6 +72,9 @@ class Cluster:
 
     def device_node(self, device: str) -> Node:
         """Returns the node holding ``device`` ('node:index'), checking the index."""
+        hit = self._by_device.get(device)
+        if hit is not None:
+            return hit
         name, _, index = device.rpartition(":")
         if not name or not index.isdigit():
             raise InputError("devices", f"{shown(device)} is not of the form 'node:index'")
@@ -91,6 +94,10 @@ class Cluster:
     @cached_property
     def _by_name(self) -> dict[str, Node]:
         return {n.name: n for n in self.nodes}
+
+    @cached_property
+    def _by_device(self) -> dict[str, Node]:
+        return {d: n for n in self.nodes for d in n.devices()}
 
     def devices(self) -> Iterator[str]:
         """Yields every device name, node by node."""
