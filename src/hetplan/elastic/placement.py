@@ -42,9 +42,14 @@ def shard_bytes(model: ModelSpec) -> dict[str, int]:
     return out
 
 
+def _chunks(plan: Plan) -> int:
+    """Returns the model chunks per stage the plan's schedule runs."""
+    return plan.virtual_stages if plan.schedule == "Interleaved1F1B" else 1
+
+
 def stage_units(plan: Plan, model: ModelSpec) -> list[list[set[str]]]:
     """Returns per pipeline, per stage, the shards the stage holds (virtual stages too)."""
-    v = plan.virtual_stages if plan.schedule == "Interleaved1F1B" else 1
+    v = _chunks(plan)
     return [[set(u) for u in _pipeline_units(pipe.stages, v, model)] for pipe in plan.pipelines]
 
 
@@ -70,7 +75,7 @@ def _pipeline_units(stages: Any, v: int, model: ModelSpec) -> list[frozenset[str
 def node_shards(plan: Plan, model: ModelSpec) -> dict[str, frozenset[str]]:
     """Returns node -> the shards its devices hold under ``plan``. Pipelines of the same
     stage layers (every replica of a uniform plan) share one computation of their units."""
-    v = plan.virtual_stages if plan.schedule == "Interleaved1F1B" else 1
+    v = _chunks(plan)
     memo: dict[tuple[tuple[int, ...], ...], list[frozenset[str]]] = {}
     out: dict[str, set[str]] = {}
     for pipe in plan.pipelines:

@@ -94,7 +94,7 @@ class Scorer:
     first_nodes: dict[tuple[int, int, int], list[Node]] = field(default_factory=dict)
     """Per (tp, pp, dp): the node of each stage of pipeline 0 (``stage_nodes``)."""
     stubs: dict[tuple[object, ...], Plan] = field(default_factory=dict)
-    devices: list[str] = field(default_factory=list)
+    """Knob-only plans (``knobs``), per knob setting."""
 
     def shape(self, c: Candidate) -> _Shape:
         """Returns the candidate's activation sizes (they do not depend on its DP degree)."""
@@ -171,19 +171,13 @@ class Scorer:
 
     def stage_nodes(self, c: Candidate) -> list[Node]:
         """Returns the node of each stage of pipeline 0 in ``uniform_plan``'s placement
-        (stage s starts at rank s x dp x tp), without building the layout."""
+        (stage s starts at rank s x dp x tp, ranks in node order over nodes of one size),
+        without building the layout."""
         key = (c.tp, c.pp, c.dp)
         hit = self.first_nodes.get(key)
         if hit is None:
-            lay = self.layouts.get(key)
-            if lay is not None:
-                hit = lay.nodes
-            else:
-                if not self.devices:
-                    self.devices = list(self.cluster.devices())
-                node_of = self.cluster.device_node
-                hit = [node_of(self.devices[s * c.dp * c.tp]) for s in range(c.pp)]
-            self.first_nodes[key] = hit
+            nodes, gpn = self.cluster.nodes, self.cluster.nodes[0].gpus
+            hit = self.first_nodes[key] = [nodes[s * c.dp * c.tp // gpn] for s in range(c.pp)]
         return hit
 
     def knobs(self, c: Candidate) -> Plan:

@@ -21,6 +21,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from functools import partial
 
 import numpy as np
 
@@ -32,7 +33,7 @@ from hetplan.market import Market, Offer, pricing_name
 from hetplan.model import ModelSpec
 from hetplan.plan import Plan
 from hetplan.search.constraints import PlanConstraints, homogeneous_space, require_mixed_schedule
-from hetplan.search.homogeneous import search_homogeneous
+from hetplan.search.homogeneous import SearchResult, search_homogeneous
 from hetplan.search.homogeneous_candidates import SearchSpace
 from hetplan.search.homogeneous_scoring import SearchMemo
 from hetplan.search.progress import ProgressHook
@@ -43,6 +44,7 @@ from hetplan.search.provision_points import (
     Point,
     ProvisionJob,
     Unexplored,
+    closest_to_front,
     count_reason,
     dominated_from_s,
     front_cost,
@@ -179,10 +181,12 @@ def _single_types(job: ProvisionJob, offers: list[Offer], points: list[Point]) -
     space = homogeneous_space(job.limits, PROVISION_SPACE)
     table = [_offer_counts(job, offer) for offer in offers]
     none = [np.zeros(0)]
-    which = np.concatenate([np.full(t.nodes.size, float(k)) for k, t in enumerate(table)] or none)
-    row = np.concatenate([np.arange(t.nodes.size, dtype=float) for t in table] or none)
+    which = np.concatenate([np.full(t.nodes.size, k) for k, t in enumerate(table)] or none)
+    node_counts = np.concatenate([t.nodes for t in table] or none)
+    slow_lb = np.concatenate([t.slow for t in table] or none)
+    usd_hour = np.concatenate([t.usd_hour for t in table] or none)
     t_lb = np.concatenate([t.t_lb for t in table] or none)
-    c_lb = t_lb / 3600 * np.concatenate([t.usd_hour for t in table] or none)
+    c_lb = t_lb / 3600 * usd_hour
     memos: dict[int, tuple[SearchMemo, list[Node]]] = {}
     live = np.arange(t_lb.size)
     planned = pruned = 0
@@ -197,16 +201,13 @@ def _single_types(job: ProvisionJob, offers: list[Offer], points: list[Point]) -
             live, front = live[~dom], front[~dom]
             if not live.size:
                 break
-        with np.errstate(invalid="ignore", divide="ignore"):
-            ratio = np.where(np.isfinite(front), c_lb[live] / front, 0.0)
-        pick = int(np.lexsort((live, c_lb[live], ratio))[0])
+        pick = closest_to_front(c_lb[live], front)
         q = int(live[pick])
         live = np.delete(live, pick)
         planned += 1
         job.tick(1, 0, points)
-        o, i = int(which[q]), int(row[q])
-        counts = table[o]
-        offer, nodes = counts.offer, int(counts.nodes[i])
+        o, nodes, usd = int(which[q]), int(node_counts[q]), float(usd_hour[q])
+        offer = table[o].offer
         if o not in memos:  # built once (with the user's memory headroom), sliced per count
             cluster_all = offer.cluster(offer.max_nodes, job.pricing)
             memos[o] = (SearchMemo(), list(job.limits.apply_to_cluster(cluster_all).nodes))
@@ -216,39 +217,32 @@ def _single_types(job: ProvisionJob, offers: list[Offer], points: list[Point]) -
         # (its iteration time x slowdown; a hair above, so rounding never cuts a plan)
         cut = math.inf
         if prune:
-            usd = float(counts.usd_hour[i])
             cut = dominated_from_s(usd, points, at) / iterations(job) * (1 + 1e-9)
+        search = partial(search_homogeneous, model, cluster, global_batch, precision,
+                         params=params, space=space, flash_attention=flash, memo=memo,
+                         cutoff=cut)  # fmt: skip
 
         def ranked_by(
-            k: int, cluster: Cluster = cluster, memo: SearchMemo = memo, cut: float = cut
+            k: int, search: partial[SearchResult] = search
         ) -> list[tuple[Plan, Estimate]]:
-            return search_homogeneous(model, cluster, global_batch, precision, top_k=k,
-                                      params=params, space=space, flash_attention=flash,
-                                      memo=memo, cutoff=cut).ranked  # fmt: skip
+            return search(top_k=k).ranked
 
         def weighted(
             slowdown_of: Callable[[Plan], float],
             floor: float,
-            cluster: Cluster = cluster,
-            memo: SearchMemo = memo,
-            cut: float = cut,
+            search: partial[SearchResult] = search,
         ) -> list[tuple[Plan, Estimate]]:
-            return search_homogeneous(model, cluster, global_batch, precision, top_k=1,
-                                      params=params, space=space, flash_attention=flash,
-                                      memo=memo, weight=slowdown_of, weight_floor=floor,
-                                      cutoff=cut).ranked  # fmt: skip
+            return search(top_k=1, weight=slowdown_of, weight_floor=floor).ranked
 
         # on spot, the plan's own checkpoint time (its largest node's state)
         load = offer_load(offer, nodes, terms) if spot else None
-        found = configuration_plan(ranked_by, model, terms, load, float(counts.slow[i]),
-                                   weighted)  # fmt: skip
+        found = configuration_plan(ranked_by, model, terms, load, float(slow_lb[q]), weighted)
         if found is None:
             continue
         plan, est, slow = found
         t = tokens / est.tokens_per_s * slow
-        usd_hour = float(counts.usd_hour[i])
         n_gpus = nodes * offer.gpus_per_node
-        points.append(Point({offer.gpu.name: n_gpus}, spot, t, t / 3600 * usd_hour, usd_hour,
+        points.append(Point({offer.gpu.name: n_gpus}, spot, t, t / 3600 * usd, usd,
                             plan=plan, estimate=est, cluster=cluster, bound_s=float(t_lb[q]),
                             pricing=job.pricing))  # fmt: skip
     return planned, pruned

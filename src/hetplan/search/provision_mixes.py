@@ -20,6 +20,7 @@ from hetplan.search.provision_points import (
     Point,
     ProvisionJob,
     Unexplored,
+    closest_to_front,
     count_reason,
     front_cost,
     iterations,
@@ -171,9 +172,7 @@ def explore_mixes(
             order = np.lexsort((grid.c_lb[live], grid.t_lb[live]))
             left = [unexplored_of(grid, pairs, int(q)) for q in live[order]]
             return planned, pruned, left
-        with np.errstate(invalid="ignore", divide="ignore"):
-            ratio = np.where(np.isfinite(front), c_lb / front, 0.0)
-        pick = int(np.lexsort((c_lb, ratio))[0])
+        pick = closest_to_front(c_lb, front)
         q = int(live[pick])
         live = np.delete(live, pick)
         planned += 1

@@ -164,6 +164,15 @@ def front_cost(
     return np.where(idx >= 0, costs[np.clip(idx, 0, None)], np.inf)
 
 
+def closest_to_front(c_lb: np.ndarray, front: np.ndarray) -> int:
+    """Returns the index of the live configuration to plan next: the smallest ratio of its
+    cost bound to the front's cost at its time bound (``front``; none faster: ratio 0, so
+    beyond the front's fast end first), then the cheapest bound, then the first."""
+    with np.errstate(invalid="ignore", divide="ignore"):
+        ratio = np.where(np.isfinite(front), c_lb / front, 0.0)
+    return int(np.lexsort((c_lb, ratio))[0])  # stable: ties keep their order
+
+
 def dominated_from_s(
     usd_per_hour: float, points: list[Point], at: tuple[np.ndarray, np.ndarray] | None = None
 ) -> float:
