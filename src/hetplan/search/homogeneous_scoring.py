@@ -10,8 +10,15 @@ from dataclasses import dataclass, field, replace
 
 from hetplan.chunk_layout import lightened_chunks
 from hetplan.cluster import Cluster, Node
-from hetplan.cost.dp_sync import SyncLayout, grad_sync_times, sync_layout
-from hetplan.cost.estimate import StageKey, chunk_split, part_split, stage_times
+from hetplan.cost.comm import p2p_s, scalar_allreduce_s
+from hetplan.cost.dp_sync import (
+    SyncLayout,
+    grad_sync_times,
+    sharded_microbatch_s,
+    sync_layout,
+    zero2_buffer_s,
+)
+from hetplan.cost.estimate import StageKey, chunk_split, p2p_wait_s, part_split, stage_times
 from hetplan.cost.memory import (
     combine_activation_bytes,
     held_chunks,
@@ -20,7 +27,7 @@ from hetplan.cost.memory import (
 )
 from hetplan.cost.params import CostParams, default_params
 from hetplan.cost.schedule import held_layers, peak_in_flight
-from hetplan.cost.sharding import bucket_count, exposed_sync_s
+from hetplan.cost.sharding import bucket_count, deferred_sync, exposed_sync_s
 from hetplan.errors import InputError
 from hetplan.model import ModelSpec
 from hetplan.plan import Plan, element_bytes
@@ -60,8 +67,14 @@ class _Layout:
     sync: SyncLayout
     holds: list[list[int]]
     """Per stage of pipeline 0: the indices of the sync groups (layer segments) it holds."""
-    sync_s: dict[int, list[float]] = field(default_factory=dict)
-    """Per ZeRO stage: per stage of pipeline 0, the gradient reduction no overlap hides."""
+    buckets: list[int]
+    """Per sync group: its gradient buckets (``bucket_count``, as estimate() counts them)."""
+    sync_s: dict[int, tuple[list[float], bool]] = field(default_factory=dict)
+    """Per ZeRO stage: per sync group its reduction time (``grad_sync_times``), and whether
+    the plan's ZeRO-2/3 is deferred to once a step (``deferred_sync``)."""
+    sharded: dict[tuple[object, ...], tuple[float, float]] = field(default_factory=dict)
+    """Per ZeRO stage, stage of pipeline 0 and its compute: ZeRO-2/3's collectives per
+    micro-batch and after the step (``sharded_microbatch_s``, ZeRO-2's buffer work in)."""
 
 
 class SearchMemo:
@@ -72,6 +85,8 @@ class SearchMemo:
         self.shapes: dict[tuple[object, ...], _Shape] = {}
         self.stages: dict[tuple[object, ...], tuple[float, float, float, float, float]] = {}
         self.optimizer: dict[tuple[object, ...], float] = {}
+        self.sends: dict[tuple[object, ...], tuple[float, float]] = {}
+        self.first: dict[tuple[object, ...], tuple[list[float], list[float]]] = {}
 
 
 @dataclass
@@ -161,12 +176,15 @@ class Scorer:
             node_of = self.cluster.device_node
             sync = sync_layout(plan, self.model, node_of)
             holds: list[list[int]] = [[] for _ in range(c.pp)]
-            for g, (_, holders) in enumerate(sync.groups):
+            buckets = []
+            for g, (n_params, holders) in enumerate(sync.groups):
                 for r, j in holders:
                     if r == 0:
                         holds[j].append(g)
+                tp_min = min(plan.pipelines[r].stages[i].tp for r, i in holders)
+                buckets.append(bucket_count(n_params / tp_min, len(holders)))
             nodes = [node_of(st.devices[0]) for st in plan.pipelines[0].stages]
-            hit = self.layouts[key] = _Layout(plan, nodes, sync, holds)
+            hit = self.layouts[key] = _Layout(plan, nodes, sync, holds, buckets)
         return hit
 
     def stage_nodes(self, c: Candidate) -> list[Node]:
@@ -227,67 +245,129 @@ class Scorer:
             overlap_tp_comm=sp.overlap_tp_comm,
         )
 
-    def _exposed(self, lay: _Layout, plan: Plan) -> list[float]:
-        """Returns, per stage of pipeline 0, the least gradient reduction no overlap hides
-        (an unbounded overlap window) under the plan's ZeRO stage."""
-        sync_s = grad_sync_times(lay.sync, plan, self.params)
-        out = []
-        for j, node in enumerate(lay.nodes):
-            share = self.params.gpu(node.gpu.name).grad_overlap
-            exposed = 0.0
-            for g in lay.holds[j]:
-                n_params, holders = lay.sync.groups[g]
-                tp_min = min(lay.plan.pipelines[r].stages[i].tp for r, i in holders)
-                buckets = bucket_count(n_params / tp_min, len(holders))
-                exposed += exposed_sync_s(sync_s[g], math.inf, share,
-                                          self.space.overlap_grad_reduce, buckets)  # fmt: skip
-            out.append(exposed)
-        return out
+    def _sync(self, c: Candidate) -> tuple[_Layout, list[float], bool]:
+        """Returns the candidate's layout, its sync groups' reduction times under the
+        candidate's ZeRO stage and whether that stage is deferred (once per ZeRO stage)."""
+        lay = self.layout(c)
+        hit = lay.sync_s.get(c.zero_stage)
+        if hit is None:
+            plan = self.knob_plan(c)
+            hit = lay.sync_s[c.zero_stage] = (
+                grad_sync_times(lay.sync, plan, self.params),
+                deferred_sync(plan),
+            )
+        return lay, hit[0], hit[1]
+
+    def _sharded(
+        self, c: Candidate, lay: _Layout, j: int, fwd: float, b_side: float
+    ) -> tuple[float, float]:
+        """Returns stage j of pipeline 0's ZeRO-2/3 collectives exposed per micro-batch (with
+        ZeRO-2's buffer work) and its parameter gather after the step, as estimate() prices
+        them on the same layout and stage times (zero where the reduction runs once a step)."""
+        key = (c.zero_stage, j, c.micro_batch, fwd, b_side)
+        hit = lay.sharded.get(key)
+        if hit is None:
+            group = lay.sync.dp_members.get((0, j))
+            hit = (0.0, 0.0)
+            if group is not None:
+                p, first, last = c.pp, j == 0, j == c.pp - 1
+                split = self.shape(c).split
+                zero_mb, gather = sharded_microbatch_s(
+                    self.knob_plan(c), self.model, split[j], c.tp, first, last, p == 1, group,
+                    self.params, lay.sync.concurrency, fwd, b_side,
+                )  # fmt: skip
+                if c.zero_stage == 2:
+                    p_local = stage_params(self.model, split[j], c.tp, first, last, p == 1)
+                    node = lay.nodes[j]
+                    eff = self.params.gpu(node.gpu.name)
+                    zero_mb += zero2_buffer_s(p_local, len(group), node.gpu, eff)
+                hit = (zero_mb, gather)
+            lay.sharded[key] = hit
+        return hit
+
+    def send_range(self, c: Candidate, same_node: bool) -> tuple[float, float]:
+        """Returns the least and the most time of one of the candidate's pipeline transfers
+        (``comm.p2p_s`` of one micro-batch's activations over its TP group, as estimate()
+        sends them) inside a node or between two, over every number of devices that can
+        share the node's link: at least the TP group, at most the node's GPUs (or the
+        group, where it spans nodes)."""
+        node = self.cluster.nodes[0]
+        key = (same_node, c.tp, c.micro_batch, self.precision)
+        hit = self.memo.sends.get(key)
+        if hit is None:
+            model = self.model
+            act = c.micro_batch * model.seq * model.hidden * element_bytes(self.precision)
+            size = act / c.tp
+            if same_node:  # (a transfer between nodes needs two of them)
+                t = p2p_s(size, node, node, self.params)
+                hit = (t, t)
+            else:
+                other = self.cluster.nodes[1]
+                ts = [p2p_s(size, node, other, self.params, k)
+                      for k in range(c.tp, max(node.gpus, c.tp) + 1)]  # fmt: skip
+                hit = (min(ts), max(ts))
+            self.memo.sends[key] = hit
+        return hit
 
     def bound_s(self, c: Candidate, sync: bool = True) -> float:
         """Returns a lower bound of estimate()'s iteration time of the candidate's plan.
 
-        Per stage j, with per-micro-batch forward F, backward-side B (backward, recompute,
-        TP collectives) from ``stage_times``: its first forward waits for the first chunk of
-        every earlier stage (sum F/v), it then computes m (F + B), and after its last
-        backward the earlier stages still run one backward chunk each (sum B/v) before
-        stage 0 ends; a stage ends with the part of its gradient reduction no overlap can
-        hide, then its optimizer step. Transfers and waits only add (left out).
+        Per stage j, with per-micro-batch forward F, backward side B (backward, recompute,
+        TP collectives; ZeRO-2/3's per-micro-batch collectives where they run, priced by
+        ``sharded_microbatch_s`` on the layout) from ``stage_times`` and the least time W
+        blocked in its own transfers (``p2p_wait_s`` of the quickest transfers
+        ``send_range`` allows): its first forward waits for the quickest chunk of every
+        earlier stage and the transfers between them, then it computes m (F + B + W). Its
+        last backward ends no sooner than that, nor than the next stage's last backward,
+        the transfer back and its own quickest backward chunk. Then the part of its
+        gradient reduction no overlap hides (``exposed_sync_s``), its optimizer step and
+        ZeRO-2's gather, and on every stage the step's all-reduces of one number
+        (``scalar_allreduce_s``). Other waits only add (left out).
 
-        ``sync`` False: without the gradient reduction (a smaller bound that needs no
-        data-parallel layout: the search refines it only for candidates it reaches)."""
+        The overlap window of a gradient reduction is the stage's last backward (estimate's
+        replay). Without interleaving that backward is one chunk, B plus half its transfers,
+        at most the slowest transfers ``send_range`` allows; with interleaving it is left
+        unbounded.
+
+        ``sync`` False: ``_first_bound``, smaller (no reduction, no optimizer, the quickest
+        transfer anywhere) and needing no data-parallel layout: the search refines it
+        only for candidates it reaches."""
         model, params, memo = self.model, self.params, self.memo
         plan = self.knobs(c)
         v = c.virtual_stages
         m = most_micro_batches(self.global_batch, c.dp, c.micro_batch)  # the busiest replica
         p = c.pp
         shards = c.dp if c.zero_stage >= 1 else 1
-        if sync:
-            lay = self.layout(c)
-            exposed_by_stage = lay.sync_s.get(c.zero_stage)
-            if exposed_by_stage is None:
-                exposed_by_stage = lay.sync_s[c.zero_stage] = self._exposed(lay, self.knob_plan(c))
-        else:
-            exposed_by_stage = [0.0] * p
+        nodes = self.stage_nodes(c)
+        if not sync:
+            return self._first_bound(c, m)
+        lay, sync_s, deferred = self._sync(c)
+        per_mb = c.zero_stage >= 2 and not deferred  # ZeRO-2/3 collectives per micro-batch
+        lo_sends: list[float] = []
+        hi_sends: list[float] = []
+        for j in range(p - 1 if v == 1 else p):
+            lo, hi = self.send_range(c, nodes[j].name == nodes[(j + 1) % p].name)
+            lo_sends.append(lo)
+            hi_sends.append(hi)
+        if v == 1:  # no transfer out of the last stage
+            lo_sends.append(0.0)
+            hi_sends.append(0.0)
         split = self.shape(c).split
-        starts, tails, busy, ends = 0.0, 0.0, [], []
-        f_acc = b_acc = 0.0
-        for j, node in enumerate(self.stage_nodes(c)):
+        own: list[float] = []  # per stage: the least time its last backward ends
+        drain: list[float] = []
+        tails: list[float] = []
+        f_acc = 0.0
+        for j, node in enumerate(nodes):
             layers = split[j]
             first, last = j == 0, j == p - 1
-            skey = (node.gpu.name, node.intra_node_bytes_per_s, c.tp, layers, first, last,
-                    c.micro_batch, c.recompute, v, self.precision, self.flash,
-                    self.space.overlap_tp_comm, c.sequence_parallel)  # fmt: skip
-            times = memo.stages.get(skey)
-            if times is None:
-                key = StageKey(node.gpu, node.intra_node_bytes_per_s, c.tp, layers, first, last,
-                               p == 1)  # fmt: skip
-                times = memo.stages[skey] = stage_times(plan, model, key, node, params)[:5]
-            fwd, bwd, rc, tpc, _ = times
-            if c.lightened:  # the fill and drain run its quickest chunk (with its part)
-                f_first, b_first = self._quickest_chunk(c, plan, j, node, layers, skey, times)
-            else:
-                f_first, b_first = fwd / v, (bwd + rc + tpc) / v
+            fwd, bwd, rc, tpc, f_first, b_first = self._stage(c, plan, j, node)
+            blocked = params.gpu(node.gpu.name).p2p_exposed
+            wait = p2p_wait_s(lo_sends, j, v, blocked)
+            zero_mb = gather = 0.0
+            if per_mb:
+                zero_mb, gather = self._sharded(c, lay, j, fwd, bwd + rc + tpc)
+            f_first += wait / 2 / v
+            b_first += (zero_mb + wait / 2) / v
             p_local = stage_params(model, layers, c.tp, first, last, p == 1)
             okey = (node.gpu.name, c.tp, layers, first, last, self.precision, shards)
             opt = memo.optimizer.get(okey)
@@ -297,16 +377,84 @@ class Scorer:
                     model, node.gpu, params.gpu(node.gpu.name), c.tp, self.precision, pieces,
                     p_local, shards,
                 )[0]  # fmt: skip
-            exposed = exposed_by_stage[j]
-            own = f_acc + m * (fwd + bwd + rc + tpc)
-            busy.append(own + exposed + opt)
-            ends.append(own + b_acc)
-            f_acc += f_first
-            b_acc += b_first
-            if first:
-                starts, tails = exposed, opt  # stage 0's reduction and optimizer
-        bound = max(max(busy), max(ends) + starts + tails)
+            exposed = 0.0
+            window = math.inf
+            if v == 1:  # the last backward, one chunk: at most the slowest transfers
+                window = bwd + rc + tpc + zero_mb + p2p_wait_s(hi_sends, j, v, blocked) / 2
+            share = params.gpu(node.gpu.name).grad_overlap
+            overlap = self.space.overlap_grad_reduce
+            for g in lay.holds[j]:
+                exposed += exposed_sync_s(sync_s[g], window, share, overlap, lay.buckets[g])
+            own.append(f_acc + m * (fwd + bwd + rc + tpc + zero_mb + wait))
+            drain.append(b_first + lo_sends[j])
+            tails.append(exposed + opt + gather)
+            f_acc += f_first + lo_sends[j]  # its first chunk, then the transfer onward
+        # a stage's last backward ends after its own work, and after the next stage's last
+        # backward, the transfer back and its own quickest backward chunk; then its
+        # gradient reduction's exposed part, its optimizer step and ZeRO-2's gather
+        last_end = bound = 0.0
+        for j in range(p - 1, -1, -1):
+            last_end = max(own[j], last_end + drain[j]) if j < p - 1 else own[j]
+            bound = max(bound, last_end + tails[j])
+        # every rank then waits for the step's all-reduces of one number
+        bound += 2.0 * scalar_allreduce_s(*lay.sync.spread, params)
         return bound * (1.0 - 1e-9)
+
+    def _stage(
+        self, c: Candidate, plan: Plan, j: int, node: Node
+    ) -> tuple[float, float, float, float, float, float]:
+        """Returns stage j's per-micro-batch forward, backward, recomputation and TP
+        collectives (``stage_times``), and the forward and backward-side time of its quickest
+        chunk without transfers (the fill and drain run it)."""
+        p, v, layers = c.pp, c.virtual_stages, self.shape(c).split[j]
+        first, last = j == 0, j == p - 1
+        skey = (node.gpu.name, node.intra_node_bytes_per_s, c.tp, layers, first, last,
+                c.micro_batch, c.recompute, v, self.precision, self.flash,
+                self.space.overlap_tp_comm, c.sequence_parallel)  # fmt: skip
+        times = self.memo.stages.get(skey)
+        if times is None:
+            key = StageKey(node.gpu, node.intra_node_bytes_per_s, c.tp, layers, first, last,
+                           p == 1)  # fmt: skip
+            times = stage_times(plan, self.model, key, node, self.params)[:5]
+            self.memo.stages[skey] = times
+        fwd, bwd, rc, tpc, _ = times
+        if c.lightened:  # its quickest chunk, with its part
+            f_first, b_first = self._quickest_chunk(c, plan, j, node, layers, skey, times)
+        else:
+            f_first, b_first = fwd / v, (bwd + rc + tpc) / v
+        return fwd, bwd, rc, tpc, f_first, b_first
+
+    def _first_bound(self, c: Candidate, m: int) -> float:
+        """Returns ``bound_s`` without the gradient reduction, the optimizer step and the
+        step's one-number all-reduces, every transfer at the least any placement allows:
+        max over stages j of (its fill + m x its per-micro-batch time + the drain back to
+        stage 0). The sums depend on the degrees only through m, so they are kept per
+        (TP, PP, knobs) across data-parallel degrees and node counts (``SearchMemo.first``)."""
+        multi = len(self.cluster.nodes) > 1
+        key = (c.tp, c.pp, c.micro_batch, c.recompute, c.virtual_stages, c.sequence_parallel,
+               c.lightened, multi, self.precision, self.flash,
+               self.space.overlap_tp_comm)  # fmt: skip
+        hit = self.memo.first.get(key)
+        if hit is None:
+            p, v = c.pp, c.virtual_stages
+            lo = self.send_range(c, True)[0]
+            if multi:
+                lo = min(lo, self.send_range(c, False)[0])
+            sends = [lo] * (p - 1) + [lo if v > 1 else 0.0]
+            plan, node = self.knobs(c), self.cluster.nodes[0]
+            blocked = self.params.gpu(node.gpu.name).p2p_exposed
+            const, per = [], []
+            fill = drain = 0.0
+            for j in range(p):
+                fwd, bwd, rc, tpc, f_first, b_first = self._stage(c, plan, j, node)
+                wait = p2p_wait_s(sends, j, v, blocked)
+                const.append(fill + drain)
+                per.append(fwd + bwd + rc + tpc + wait)
+                fill += f_first + wait / 2 / v + sends[j]
+                drain += b_first + wait / 2 / v + sends[j]
+            hit = self.memo.first[key] = (const, per)
+        const, per = hit
+        return max(a + m * b for a, b in zip(const, per, strict=True)) * (1.0 - 1e-9)
 
     def _quickest_chunk(
         self,

@@ -1,0 +1,67 @@
+"""The homogeneous search's lower bound against estimate() on every fitting candidate of
+clusters where its terms matter: single-GPU nodes (every transfer and reduction across the
+network, data-parallel degrees that do not divide the batch), data-parallel groups that
+straddle nodes, ZeRO-2/3 reducing every micro-batch, interleaving and lightened stages."""
+
+import pytest
+
+from hetplan.cost.estimate import estimate
+from hetplan.cost.params import default_params
+from hetplan.market import market_from_dict
+from hetplan.model import load_model
+from hetplan.search.homogeneous_candidates import SearchSpace
+from hetplan.search.homogeneous_scoring import Scorer, SearchMemo, score_candidates
+
+CASES = [
+    ("RTX 4090", 1, 37, "gpt3-1.3b", 96, "fp16"),
+    ("L4", 1, 24, "gpt3-1.3b", 64, "fp16"),
+    ("T4", 4, 6, "gpt3-1.3b", 64, "fp16"),
+    ("V100-32GB", 8, 5, "gpt3-2.7b", 128, "fp16"),
+    ("A100-80GB", 8, 3, "gpt3-2.7b", 48, "bf16"),
+]
+SPACES = [
+    SearchSpace(zero_stages=(0, 1, 2, 3), max_virtual_stages=4),
+    SearchSpace(zero_stages=(1, 3), overlap_grad_reduce=False, overlap_tp_comm=True),
+]
+
+
+def _pairs(gpu, gpn, nodes, name, batch, precision, space):
+    offer = {"gpu": gpu, "gpus_per_node": gpn, "max_nodes": nodes, "on_demand_usd_per_gpu_hour": 1}
+    cluster = market_from_dict({"offers": [offer]}).offers[0].cluster(nodes, "on-demand")
+    model, params = load_model(name), default_params()
+    scorer = Scorer(model, cluster, precision, batch, params, True, SearchMemo(), space)
+    scored = score_candidates(model, cluster, batch, precision, params, space, True,
+                              scorer=scorer, sync=False)  # fmt: skip
+    assert scored.ranked
+    for first, c in scored.ranked:
+        plan = scorer.knob_plan(c)
+        est = estimate(plan, model, cluster, params, validate=False).iteration_time_s
+        yield c, first, scorer.bound_s(c), est
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+@pytest.mark.parametrize("space", SPACES, ids=["zero0-3", "no-overlap"])
+def test_bound_holds_on_every_candidate_and_is_exact_without_pipelining(case, space):
+    # below estimate() on every fitting candidate; the first step below the whole bound; a
+    # single stage has no bubble and no transfer, so there the bound is the estimate itself
+    # (m micro-batches back to back, ZeRO's per-micro-batch collectives, the reduction's
+    # exposed tail, the optimizer step): before the bound priced ZeRO-2/3's per-micro-batch
+    # reduce-scatter, it sat 5-9x below estimate() on those plans
+    single = 0
+    for c, first, bound, est in _pairs(*case, space):
+        assert first <= bound <= est, (c, first, bound, est)
+        if c.pp == 1:
+            single += 1
+            assert bound == pytest.approx(est, rel=1e-8), c
+    assert single > 0
+
+
+def test_bound_prices_the_reduction_behind_the_last_backward():
+    # tp1 pp11 on 572 single-GPU nodes (52 replicas, the batch not divided): the gradient
+    # reduction crosses the network and only the last backward hides it. With an unbounded
+    # overlap window the bound sat 12-15% below estimate() on the ten best candidates; the
+    # window of the last backward leaves only the pipeline's waits out
+    case = ("RTX 4090", 1, 572, "gpt3-13b", 1024, "fp16")
+    space = SearchSpace(zero_stages=(1,), max_virtual_stages=1)
+    pairs = sorted(_pairs(*case, space), key=lambda x: x[1])[:10]
+    assert min(bound / est for _, _, bound, est in pairs) > 0.9
