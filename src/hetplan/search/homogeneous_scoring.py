@@ -87,6 +87,7 @@ class SearchMemo:
         self.optimizer: dict[tuple[object, ...], float] = {}
         self.sends: dict[tuple[object, ...], tuple[float, float]] = {}
         self.first: dict[tuple[object, ...], tuple[list[float], list[float]]] = {}
+        self.acts: dict[tuple[object, ...], float] = {}
 
 
 @dataclass
@@ -108,6 +109,8 @@ class Scorer:
     (where the DP degree does not divide the batch; one replace per pipeline, built once)."""
     first_nodes: dict[tuple[int, int, int], list[Node]] = field(default_factory=dict)
     """Per (tp, pp, dp): the node of each stage of pipeline 0 (``stage_nodes``)."""
+    states: dict[tuple[object, ...], float] = field(default_factory=dict)
+    """Per degrees, ZeRO stage and stage: the weights, gradients and optimizer state held."""
     stubs: dict[tuple[object, ...], Plan] = field(default_factory=dict)
     """Knob-only plans (``knobs``), per knob setting."""
 
@@ -140,30 +143,37 @@ class Scorer:
         return shape
 
     def peak_bytes(self, c: Candidate) -> float:
-        """Returns the larger peak of the first and last stage of a candidate."""
-        model, precision, global_batch, params = (
-            self.model,
-            self.precision,
-            self.global_batch,
-            self.params,
-        )
-        m = most_micro_batches(global_batch, c.dp, c.micro_batch)  # the busiest replica's
-        shape = self.shape(c)
+        """Returns the larger peak of the first and last stage of a candidate (its state and
+        its activations kept apart: candidates of one search share the state of their
+        degrees and ZeRO stage, and node counts share the activations of their knobs and
+        micro-batches per replica)."""
+        model, precision, memo = self.model, self.precision, self.memo
+        m = most_micro_batches(self.global_batch, c.dp, c.micro_batch)  # the busiest replica's
         worst = 0.0
         for j in {0, c.pp - 1}:
             first, last = j == 0, j == c.pp - 1
-            w, g, o = stage_state(model, shape.split[j], c.tp, first, last, c.pp == 1,
-                                  precision, c.zero_stage, c.dp)  # fmt: skip
-            units = peak_in_flight(c.schedule, c.pp, m, c.virtual_stages, j)
-            light = lightened_chunks(shape.split, c.virtual_stages)[j] if c.lightened else None
-            chunks = held_chunks(shape.split[j], c.virtual_stages, first, light)
-            held = held_layers(c.schedule, c.pp, m, j, chunks) if chunks else None
-            acts = combine_activation_bytes(
-                shape.split[j], shape.layer_act_bytes, shape.embed_act_bytes,
-                shape.head_act_bytes, shape.working_act_bytes, first, last, units,
-                c.virtual_stages, held,
-            )  # fmt: skip
-            worst = max(worst, w + g + o + acts + params.memory_reserve_bytes)
+            skey = (c.tp, c.pp, c.dp, c.zero_stage, j, precision)
+            state = self.states.get(skey)
+            if state is None:
+                split = self.shape(c).split
+                w, g, o = stage_state(model, split[j], c.tp, first, last, c.pp == 1,
+                                      precision, c.zero_stage, c.dp)  # fmt: skip
+                state = self.states[skey] = w + g + o
+            akey = (c.tp, c.pp, c.micro_batch, c.recompute, c.sequence_parallel, c.schedule,
+                    c.virtual_stages, c.lightened, m, j, precision, self.flash)  # fmt: skip
+            acts = memo.acts.get(akey)
+            if acts is None:
+                shape = self.shape(c)
+                units = peak_in_flight(c.schedule, c.pp, m, c.virtual_stages, j)
+                split, v = shape.split, c.virtual_stages
+                light = lightened_chunks(split, v)[j] if c.lightened else None
+                chunks = held_chunks(split[j], v, first, light)
+                held = held_layers(c.schedule, c.pp, m, j, chunks) if chunks else None
+                acts = memo.acts[akey] = combine_activation_bytes(
+                    split[j], shape.layer_act_bytes, shape.embed_act_bytes,
+                    shape.head_act_bytes, shape.working_act_bytes, first, last, units, v, held,
+                )  # fmt: skip
+            worst = max(worst, state + acts + self.params.memory_reserve_bytes)
         return worst
 
     def layout(self, c: Candidate) -> _Layout:
