@@ -18,6 +18,7 @@ CASES = [
     ("T4", 4, 6, "gpt3-1.3b", 64, "fp16"),
     ("V100-32GB", 8, 5, "gpt3-2.7b", 128, "fp16"),
     ("A100-80GB", 8, 3, "gpt3-2.7b", 48, "bf16"),
+    ("RTX 4090", 1, 96, "gpt3-6.7b", 128, "fp16"),
 ]
 SPACES = [
     SearchSpace(zero_stages=(0, 1, 2, 3), max_virtual_stages=4),
@@ -39,7 +40,7 @@ def _pairs(gpu, gpn, nodes, name, batch, precision, space):
         yield c, first, scorer.bound_s(c), est
 
 
-@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+@pytest.mark.parametrize("case", CASES, ids=[f"{c[0]}x{c[2]}" for c in CASES])
 @pytest.mark.parametrize("space", SPACES, ids=["zero0-3", "no-overlap"])
 def test_bound_holds_on_every_candidate_and_is_exact_without_pipelining(case, space):
     # below estimate() on every fitting candidate; the first step below the whole bound; a
@@ -48,12 +49,13 @@ def test_bound_holds_on_every_candidate_and_is_exact_without_pipelining(case, sp
     # exposed tail, the optimizer step): before the bound priced ZeRO-2/3's per-micro-batch
     # reduce-scatter, it sat 5-9x below estimate() on those plans
     single = 0
+    gpn, nodes = case[1], case[2]
     for c, first, bound, est in _pairs(*case, space):
         assert first <= bound <= est, (c, first, bound, est)
         if c.pp == 1:
             single += 1
             assert bound == pytest.approx(est, rel=1e-8), c
-    assert single > 0
+    assert single > 0 or (gpn == 1 and nodes > 64)  # (none fits on 96 RTX 4090s)
 
 
 def test_bound_prices_the_reduction_behind_the_last_backward():
@@ -65,3 +67,17 @@ def test_bound_prices_the_reduction_behind_the_last_backward():
     space = SearchSpace(zero_stages=(1,), max_virtual_stages=1)
     pairs = sorted(_pairs(*case, space), key=lambda x: x[1])[:10]
     assert min(bound / est for _, _, bound, est in pairs) > 0.9
+
+
+def test_bound_holds_the_steady_state_of_one_f_one_b():
+    # tp1 pp12 dp8 on 96 single-GPU nodes, 8 micro-batches of 2 per replica, full
+    # recomputation: in 1F1B stage j starts micro-batch i + (12 - j) only after i's backward,
+    # which waits for i's forward through the later stages, their backwards and two
+    # transfers per hop; that cycle sets the replay's pace. Fill + m x own time + drain sat
+    # 2.5% below estimate(); with the cycle the bound meets it
+    case = ("RTX 4090", 1, 96, "gpt3-6.7b", 128, "fp16")
+    space = SearchSpace(zero_stages=(1,), max_virtual_stages=1, recompute=("full",))
+    pairs = [x for x in _pairs(*case, space) if (x[0].pp, x[0].micro_batch) == (12, 2)]
+    assert len(pairs) == 1
+    _, _, bound, est = pairs[0]
+    assert 0.995 * est <= bound <= est

@@ -31,6 +31,7 @@ from hetplan.cost.sharding import bucket_count, deferred_sync, exposed_sync_s
 from hetplan.errors import InputError
 from hetplan.model import ModelSpec
 from hetplan.plan import Plan, element_bytes
+from hetplan.search.het_bounds import replay_is_exact
 from hetplan.search.homogeneous_candidates import (
     Candidate,
     SearchSpace,
@@ -329,10 +330,12 @@ class Scorer:
         ``send_range`` allows): its first forward waits for the quickest chunk of every
         earlier stage and the transfers between them, then it computes m (F + B + W). Its
         last backward ends no sooner than that, nor than the next stage's last backward,
-        the transfer back and its own quickest backward chunk. Then the part of its
-        gradient reduction no overlap hides (``exposed_sync_s``), its optimizer step and
-        ZeRO-2's gather, and on every stage the step's all-reduces of one number
-        (``scalar_allreduce_s``). Other waits only add (left out).
+        the transfer back and its own quickest backward chunk; under 1F1B without
+        interleaving, where the replay is exact, nor than its fill and ceil(m / W) rounds
+        of the cycle through the later stages and back (W micro-batches in flight). Then
+        the part of its gradient reduction no overlap hides (``exposed_sync_s``), its
+        optimizer step and ZeRO-2's gather, and on every stage the step's all-reduces of
+        one number (``scalar_allreduce_s``). Other waits only add (left out).
 
         The overlap window of a gradient reduction is the stage's last backward (estimate's
         replay). Without interleaving that backward is one chunk, B plus half its transfers,
@@ -364,6 +367,8 @@ class Scorer:
             hi_sends.append(0.0)
         split = self.shape(c).split
         own: list[float] = []  # per stage: the least time its last backward ends
+        fills: list[float] = []  # per stage: the least time its first forward starts
+        per: list[float] = []  # per stage: its least time per micro-batch
         drain: list[float] = []
         tails: list[float] = []
         f_acc = 0.0
@@ -395,13 +400,26 @@ class Scorer:
             overlap = self.space.overlap_grad_reduce
             for g in lay.holds[j]:
                 exposed += exposed_sync_s(sync_s[g], window, share, overlap, lay.buckets[g])
-            own.append(f_acc + m * (fwd + bwd + rc + tpc + zero_mb + wait))
+            fills.append(f_acc)
+            per.append(fwd + bwd + rc + tpc + zero_mb + wait)
+            own.append(f_acc + m * per[-1])
             drain.append(b_first + lo_sends[j])
             tails.append(exposed + opt + gather)
             f_acc += f_first + lo_sends[j]  # its first chunk, then the transfer onward
         # a stage's last backward ends after its own work, and after the next stage's last
         # backward, the transfer back and its own quickest backward chunk; then its
         # gradient reduction's exposed part, its optimizer step and ZeRO-2's gather
+        if c.schedule != "GPipe" and v == 1 and p > 1 and replay_is_exact(p, m, v):
+            # 1F1B: stage j starts micro-batch i + W (W = p - j in flight at most) only after
+            # i's backward, which follows i's forward through the later stages and its
+            # backward back: D_j, the per-micro-batch times of stages j.. and two transfers
+            # per hop; so its last backward ends no sooner than its fill + ceil(m / W) D_j
+            # (proven for the replay, not for its extrapolation of the longest runs)
+            cycle = 0.0
+            for j in range(p - 1, -1, -1):
+                cycle += per[j] + (2 * lo_sends[j] if j < p - 1 else 0.0)
+                in_flight = min(p - j, m)
+                own[j] = max(own[j], fills[j] + -(-m // in_flight) * cycle)
         last_end = bound = 0.0
         for j in range(p - 1, -1, -1):
             last_end = max(own[j], last_end + drain[j]) if j < p - 1 else own[j]
