@@ -6,6 +6,7 @@ per-micro-batch collectives (``sharded_microbatch_s``; the schedules in ``cost.s
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from itertools import pairwise
 from typing import Any
@@ -218,6 +219,49 @@ def sync_layout(plan: Plan, model: ModelSpec, node_of: Any) -> SyncLayout:
     return SyncLayout(
         groups, group_members, concurrency, dp_members, edge_params=edges, spread=spread
     )
+
+
+def uniform_sync_layout(
+    nodes: Sequence[Node], tp: int, pp: int, dp: int, split: Sequence[int], model: ModelSpec
+) -> SyncLayout:
+    """Returns ``sync_layout`` of the Megatron-layout plan ``search.layout.uniform_plan``
+    builds on ``nodes`` (all of one size; rank ``(stage x dp + replica) x tp + t`` on the
+    rank-th device in node order; stage j holds ``split[j]`` layers), from node indices
+    alone: no plan, no device names. Its TP groups sit inside a node (``tp`` divides the
+    node's GPUs), so every TP rank of a stage sees the same data-parallel nodes; stage j's
+    replicas occupy devices ``[j dp tp, (j + 1) dp tp)``, and all of them talk across nodes
+    where that range spans more than one node."""
+    gpn = nodes[0].gpus
+    groups: list[tuple[float, list[tuple[int, int]]]] = []
+    members: list[list[list[Node]]] = []
+    concurrency: Counter[str] = Counter()
+    dp_members: dict[tuple[int, int], list[Node]] = {}
+    if dp > 1:
+        start = 0
+        for j, layers in enumerate(split):
+            first, last = start == 0, start + layers == model.layers
+            params = stage_params(model, layers, 1, first, last, first and last)
+            holders = [(r, j) for r in range(dp)]
+            group = [nodes[((j * dp + r) * tp) // gpn] for r in range(dp)]
+            groups.append((float(params), holders))
+            members.append([group] * tp)
+            lo, hi = j * dp * tp, (j + 1) * dp * tp  # the stage's devices
+            if (hi - 1) // gpn != lo // gpn:
+                for k in range(lo // gpn, (hi - 1) // gpn + 1):
+                    concurrency[nodes[k].name] += min(hi, (k + 1) * gpn) - max(lo, k * gpn)
+            for h in holders:
+                dp_members[h] = group
+            start += layers
+    edges = [0.0] * len(groups)
+    if groups:
+        single = len(groups) == 1
+        edges[0] += edge_params(model, 1, True, single, single)
+        if not single:
+            edges[-1] += edge_params(model, 1, False, True, False)
+    used = tp * pp * dp
+    spread = ([nodes[0]], -(-used // gpn), min(gpn, used))
+    return SyncLayout(groups, members, dict(concurrency), dp_members, edge_params=edges,
+                      spread=spread)  # fmt: skip
 
 
 GRAD_BYTES = 4.0

@@ -15,7 +15,7 @@ from hetplan.cost.dp_sync import (
     SyncLayout,
     grad_sync_times,
     sharded_microbatch_s,
-    sync_layout,
+    uniform_sync_layout,
     zero2_buffer_s,
 )
 from hetplan.cost.estimate import StageKey, chunk_split, p2p_wait_s, part_split, stage_times
@@ -60,10 +60,10 @@ class _Shape:
 
 @dataclass
 class _Layout:
-    """The device layout of a (tp, pp, dp) triple: a plan with default knobs, the nodes of
-    one pipeline's stages and the data-parallel groups, for the bound."""
+    """The device layout of a (tp, pp, dp) triple: the nodes of one pipeline's stages and the
+    data-parallel groups, for the bound; its plan with default knobs once one is estimated."""
 
-    plan: Plan
+    plan: Plan | None
     nodes: list[Node]
     sync: SyncLayout
     holds: list[list[int]]
@@ -178,25 +178,31 @@ class Scorer:
         return worst
 
     def layout(self, c: Candidate) -> _Layout:
-        """Returns the layout of the candidate's degrees (built once per triple)."""
+        """Returns the layout of the candidate's degrees (built once per triple, from node
+        indices: ``uniform_sync_layout``)."""
         key = (c.tp, c.pp, c.dp)
         hit = self.layouts.get(key)
         if hit is None:
-            plan = uniform_plan(self.cluster, self.model.layers, c.tp, c.pp, c.dp, 1,
-                                self.global_batch)  # fmt: skip
-            node_of = self.cluster.device_node
-            sync = sync_layout(plan, self.model, node_of)
+            split = self.shape(c).split
+            sync = uniform_sync_layout(self.cluster.nodes, c.tp, c.pp, c.dp, split, self.model)
             holds: list[list[int]] = [[] for _ in range(c.pp)]
             buckets = []
             for g, (n_params, holders) in enumerate(sync.groups):
                 for r, j in holders:
                     if r == 0:
                         holds[j].append(g)
-                tp_min = min(plan.pipelines[r].stages[i].tp for r, i in holders)
-                buckets.append(bucket_count(n_params / tp_min, len(holders)))
-            nodes = [node_of(st.devices[0]) for st in plan.pipelines[0].stages]
-            hit = self.layouts[key] = _Layout(plan, nodes, sync, holds, buckets)
+                buckets.append(bucket_count(n_params / c.tp, len(holders)))
+            hit = self.layouts[key] = _Layout(None, self.stage_nodes(c), sync, holds, buckets)
         return hit
+
+    def layout_plan(self, c: Candidate) -> Plan:
+        """Returns the plan of the candidate's degrees with default knobs (``uniform_plan``,
+        whose sync layout ``layout`` holds), built once per triple."""
+        lay = self.layout(c)
+        if lay.plan is None:
+            lay.plan = uniform_plan(self.cluster, self.model.layers, c.tp, c.pp, c.dp, 1,
+                                    self.global_batch)  # fmt: skip
+        return lay.plan
 
     def stage_nodes(self, c: Candidate) -> list[Node]:
         """Returns the node of each stage of pipeline 0 in ``uniform_plan``'s placement
@@ -229,7 +235,7 @@ class Scorer:
     def knob_plan(self, c: Candidate) -> Plan:
         """Returns the candidate's plan (its layout with its knobs)."""
         sp = self.space
-        base = self.layout(c).plan
+        base = self.layout_plan(c)
         if self.global_batch % c.dp:  # uneven: the shares of this micro-batch size
             key = (c.tp, c.pp, c.dp, c.micro_batch)
             hit = self.shared.get(key)
@@ -325,10 +331,10 @@ class Scorer:
 
         Per stage j, with per-micro-batch forward F, backward side B (backward, recompute,
         TP collectives; ZeRO-2/3's per-micro-batch collectives where they run, priced by
-        ``sharded_microbatch_s`` on the layout) from ``stage_times`` and the least time W
+        ``sharded_microbatch_s`` on the layout) from ``stage_times`` and the least time X
         blocked in its own transfers (``p2p_wait_s`` of the quickest transfers
         ``send_range`` allows): its first forward waits for the quickest chunk of every
-        earlier stage and the transfers between them, then it computes m (F + B + W). Its
+        earlier stage and the transfers between them, then it computes m (F + B + X). Its
         last backward ends no sooner than that, nor than the next stage's last backward,
         the transfer back and its own quickest backward chunk; under 1F1B without
         interleaving, where the replay is exact, nor than its fill and ceil(m / W) rounds
