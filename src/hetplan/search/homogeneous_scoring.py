@@ -27,7 +27,7 @@ from hetplan.cost.memory import (
 )
 from hetplan.cost.params import CostParams, default_params
 from hetplan.cost.schedule import held_layers, peak_in_flight
-from hetplan.cost.sharding import bucket_count, deferred_sync, exposed_sync_s
+from hetplan.cost.sharding import bucket_count, deferred, deferred_sync, exposed_sync_s
 from hetplan.errors import InputError
 from hetplan.model import ModelSpec
 from hetplan.plan import Plan, element_bytes
@@ -268,12 +268,22 @@ class Scorer:
         lay = self.layout(c)
         hit = lay.sync_s.get(c.zero_stage)
         if hit is None:
-            plan = self.knob_plan(c)
+            plan = self._priced(c)
             hit = lay.sync_s[c.zero_stage] = (
                 grad_sync_times(lay.sync, plan, self.params),
                 deferred_sync(plan),
             )
         return lay, hit[0], hit[1]
+
+    def _priced(self, c: Candidate) -> Plan:
+        """Returns the plan the sync and ZeRO prices read: the knob-only plan (they read its
+        knobs and, through ``deferred_sync``, whether its ZeRO-2/3 is deferred, which is
+        never so for a knob-only plan), or the whole plan where the candidate's ZeRO-2/3 is
+        deferred (pipelined, or ZeRO-3 with unequal micro-batch counts)."""
+        uneven = self.global_batch % c.dp != 0
+        if deferred(c.zero_stage, c.dp, c.pp > 1, c.zero_stage == 3 and uneven):
+            return self.knob_plan(c)
+        return self.knobs(c)
 
     def _sharded(
         self, c: Candidate, lay: _Layout, j: int, fwd: float, b_side: float
@@ -290,7 +300,7 @@ class Scorer:
                 p, first, last = c.pp, j == 0, j == c.pp - 1
                 split = self.shape(c).split
                 zero_mb, gather = sharded_microbatch_s(
-                    self.knob_plan(c), self.model, split[j], c.tp, first, last, p == 1, group,
+                    self._priced(c), self.model, split[j], c.tp, first, last, p == 1, group,
                     self.params, lay.sync.concurrency, fwd, b_side,
                 )  # fmt: skip
                 if c.zero_stage == 2:
