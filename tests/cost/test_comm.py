@@ -115,3 +115,21 @@ def test_scalar_allreduce_is_tree_latency():
     assert comm.scalar_allreduce_s(nodes[:1], 1, 2, params) == pytest.approx(20e-6)
     assert comm.scalar_allreduce_s(nodes[:1], 1, 1, params) == 0.0
     assert comm.scalar_allreduce_s(nodes[:1], 2, 1, params) == pytest.approx(60e-6)
+
+
+def test_a_member_list_priced_again_after_it_grew_is_priced_anew():
+    # collectives keep what they read of a member list (its nodes, their talkers) by the
+    # list's identity: a list that grew in between must be read again. Two A100 nodes of 8,
+    # one member on each: the shards cross the network whole; a second member on the first
+    # node leaves one on the second, so k stays 1 but the first node's link has two talkers
+    a, b = parse_inline_cluster("A100-80GB:2x8").nodes
+    members = [a, b]
+    size = 1e9
+    one_each = comm.group_allreduce_s(size, members, PARAMS)
+    members.append(a)
+    grown = comm.group_allreduce_s(size, members, PARAMS)
+    assert grown == comm.group_allreduce_s(size, list(members), PARAMS)
+    # ring of 2 nodes, 1 GB each way over the slowest share: its link halved by two talkers
+    link = a.network_bytes_per_s * PARAMS.network_efficiency_of(a.gpu.name)
+    assert one_each == pytest.approx(2 * 1 / 2 * size / link)
+    assert grown == pytest.approx(2 * 1 / 2 * size / (link / 2))

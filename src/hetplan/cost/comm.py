@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from hetplan.cluster import Node
 from hetplan.cost.params import CostParams
@@ -85,40 +86,68 @@ def group_allreduce_s(
     n = len(members)
     if n <= 1 or size_bytes <= 0:
         return 0.0
-    per_node = Counter(m.name for m in members)
-    nodes = {m.name: m for m in members}
-    if len(per_node) == 1:
-        node = members[0]
-        return volume * intra_node_allreduce_s(size_bytes, n, node, params)
-    k = min(per_node.values())
+    shape = _group_shape(members, node_concurrency)
+    if shape.num_nodes == 1:
+        return volume * intra_node_allreduce_s(size_bytes, n, members[0], params)
     intra = 0.0
-    if k > 1:  # each distinct (node kind, local count) once
-        kinds = {(nodes[name].gpu.name, nodes[name].intra_node_bytes_per_s, c): (nodes[name], c)
-                 for name, c in per_node.items()}  # fmt: skip
+    if shape.k > 1:  # each distinct (node kind, local count) once
         intra = max(intra_node_allreduce_s(size_bytes, c, node, params)
-                    for node, c in kinds.values())  # fmt: skip
-    num_nodes = len(per_node)
-    shard = size_bytes / k
-    conc = node_concurrency or {}
-    shares: dict[tuple[str, float, int], float] = {}  # per node kind and talkers: its share
-    for name, local in per_node.items():
-        talkers = max(conc.get(name, local), 1)
-        node = nodes[name]
-        key = (node.gpu.name, node.network_bytes_per_s, talkers)
-        if key in shares:
-            continue
+                    for node, c in shape.intra)  # fmt: skip
+    shard = size_bytes / shape.k
+    shares = []  # per node kind and talkers: its share
+    for node, talkers in shape.talkers:
         measured = params.compute.network_bw(node.gpu.name, "inter", talkers, shard)
         if measured is not None:  # the node's achieved aggregate with ``talkers`` GPUs
-            shares[key] = measured / talkers
+            shares.append(measured / talkers)
         else:
             eff = params.network_efficiency_of(node.gpu.name)
-            shares[key] = node.network_bytes_per_s * eff / talkers
-    inter = ring_allreduce_bytes(shard, num_nodes) / min(shares.values())
-    gpus = {key[0] for key in shares}
-    latency = 2 * (num_nodes - 1) * max(params.inter_latency_of(g) for g in gpus)
+            shares.append(node.network_bytes_per_s * eff / talkers)
+    inter = ring_allreduce_bytes(shard, shape.num_nodes) / min(shares)
+    gpus = {node.gpu.name for node, _ in shape.talkers}
+    latency = 2 * (shape.num_nodes - 1) * max(params.inter_latency_of(g) for g in gpus)
     # NCCL pipelines chunks through the intra- and inter-node hops at once: the slower
     # phase sets the time, not their sum
     return volume * (max(intra, inter) + latency)
+
+
+@dataclass(frozen=True)
+class _GroupShape:
+    """What a collective reads of its members: how many nodes they are on, the fewest
+    members on one node, each distinct (node kind, local count), and each distinct (GPU
+    type, network link, devices talking across nodes) with one node of it."""
+
+    num_nodes: int
+    k: int
+    intra: tuple[tuple[Node, int], ...]
+    talkers: tuple[tuple[Node, int], ...]
+
+
+_SHAPES: dict[tuple[int, int], tuple[object, object, int, _GroupShape]] = {}
+"""``_group_shape``'s memo by the identity of the member list and concurrency map (both kept,
+so their ids stay theirs; checked by length too). Searches price the same data-parallel
+groups many times (per ZeRO stage, per micro-batch size); cleared when full."""
+
+
+def _group_shape(members: Sequence[Node], conc: dict[str, int] | None) -> _GroupShape:
+    key = (id(members), id(conc))
+    hit = _SHAPES.get(key)
+    if hit is not None and hit[0] is members and hit[1] is conc and hit[2] == len(members):
+        return hit[3]
+    per_node = Counter(m.name for m in members)
+    nodes = {m.name: m for m in members}
+    k = min(per_node.values())
+    kinds = {(nodes[name].gpu.name, nodes[name].intra_node_bytes_per_s, c): (nodes[name], c)
+             for name, c in per_node.items()}  # fmt: skip
+    talk: dict[tuple[str, float, int], tuple[Node, int]] = {}
+    for name, local in per_node.items():
+        talkers = max((conc or {}).get(name, local), 1)
+        node = nodes[name]
+        talk.setdefault((node.gpu.name, node.network_bytes_per_s, talkers), (node, talkers))
+    shape = _GroupShape(len(per_node), k, tuple(kinds.values()), tuple(talk.values()))
+    if len(_SHAPES) >= 4096:
+        _SHAPES.clear()
+    _SHAPES[key] = (members, conc, len(members), shape)
+    return shape
 
 
 def group_allgather_s(
@@ -154,7 +183,7 @@ def _group_half_s(
     n = len(members)
     if n <= 1 or size_bytes <= 0:
         return 0.0
-    if len({m.name for m in members}) == 1:
+    if _group_shape(members, node_concurrency).num_nodes == 1:
         return intra_node_half_s(size_bytes, n, members[0], params, kind)
     return group_allreduce_s(size_bytes, members, params, node_concurrency, 0.5)
 
