@@ -31,6 +31,7 @@ from hetplan.search.provision_bounds import TypeFloor, iteration_floor_s, type_f
 from hetplan.search.provision_points import (
     Point,
     ProvisionJob,
+    closest_to_front,
     count_reason,
     dominated,
     front_cost,
@@ -232,9 +233,7 @@ def owned_first(
             if not live:
                 break
         front = front_cost(np.array([c.t_lb for c in live]), points)
-        ratio = [0.0 if math.isinf(f) else c.cost_lb / f for c, f in zip(live, front, strict=True)]
-        pick = min(range(len(live)), key=lambda k: (ratio[k], live[k].cost_lb))
-        plan_one(live.pop(pick))
+        plan_one(live.pop(closest_to_front(np.array([c.cost_lb for c in live]), front)))
     return planned, pruned
 
 
