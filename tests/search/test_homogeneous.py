@@ -1,8 +1,10 @@
+from dataclasses import replace
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hetplan.cluster import parse_inline_cluster
+from hetplan.cluster import Cluster, parse_inline_cluster
 from hetplan.cost.estimate import estimate
 from hetplan.errors import InputError
 from hetplan.model import ModelSpec, load_model
@@ -79,6 +81,13 @@ def test_nothing_fits_reports_smallest_need():
 def test_rejects_mixed_clusters():
     with pytest.raises(InputError):
         search_homogeneous(load_model("gpt2"), parse_inline_cluster("T4:1x4,L4:1x4"), 8, "fp16")
+    # one GPU type and node size, but one node's network link slower: the bound prices every
+    # transfer and the layout's nodes by one node's links, so such a cluster goes to the
+    # heterogeneous search instead (as `plan` routes it)
+    a, b = parse_inline_cluster("T4:2x4").nodes
+    slow = Cluster((a, replace(b, network_bytes_per_s=b.network_bytes_per_s / 4)))
+    with pytest.raises(InputError, match="links"):
+        search_homogeneous(load_model("gpt2"), slow, 8, "fp16")
 
 
 @settings(max_examples=15, deadline=None)

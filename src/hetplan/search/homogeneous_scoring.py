@@ -567,14 +567,15 @@ def score_candidates(
     ``sync`` False: the bound without the gradient reduction (``Scorer.bound_s``)."""
     params = params or default_params()
     space = space or SearchSpace()
-    gpus_per_node = {n.gpus for n in cluster.nodes}
-    if len({n.gpu.name for n in cluster.nodes}) != 1 or len(gpus_per_node) != 1:
-        raise InputError("--cluster", "the homogeneous search needs one GPU type and node size")
+    if not cluster.is_homogeneous():  # (the bound reads one node's links for all)
+        raise InputError(
+            "--cluster", "the homogeneous search needs nodes of one GPU type, size and links"
+        )
     gpu = cluster.nodes[0].gpu
     if not gpu.supports(precision):
         raise InputError("--precision", f"{gpu.name} has no {precision} support")
     n = cluster.num_gpus
-    gpn = gpus_per_node.pop()
+    gpn = cluster.nodes[0].gpus
     scored: list[tuple[float, tuple[object, ...], Candidate]] = []
     count = 0
     min_mem = math.inf
