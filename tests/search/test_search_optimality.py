@@ -50,7 +50,7 @@ import itertools
 import math
 import random
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 
 import pytest
@@ -128,20 +128,30 @@ class Brute:
     fitting: int = 0
     seconds: float = 0.0
 
-    def offer(self, plan: Plan, model: ModelSpec, cluster: Cluster, params: CostParams) -> None:
-        """Validates and scores one plan, keeping the best that fits."""
+    def offer(
+        self,
+        plan: Plan,
+        model: ModelSpec,
+        cluster: Cluster,
+        params: CostParams,
+        weight: Callable[[Plan], float] | None = None,
+    ) -> Estimate | None:
+        """Validates and scores one plan (its iteration time, x ``weight(plan)`` where
+        given), keeping the best that fits; returns its estimate where it fits."""
         self.built += 1
         try:
             validate_plan(plan, model, cluster)
         except InputError:
-            return
+            return None
         self.scored += 1
         est = estimate(plan, model, cluster, params, validate=False)
         if not est.fits:
-            return
+            return None
         self.fitting += 1
-        if est.iteration_time_s < self.best_s:
-            self.best_s, self.best = est.iteration_time_s, plan
+        score = est.iteration_time_s * (weight(plan) if weight is not None else 1.0)
+        if score < self.best_s:
+            self.best_s, self.best = score, plan
+        return est
 
     def merge(self, other: Brute) -> None:
         """Adds another enumeration's counts and best."""
@@ -980,16 +990,11 @@ def test_spot_weighted_search_is_the_exhaustive_best(case):
     def slow(plan: Plan) -> float:
         return float(slowdowns(*load, terms, checkpoint_time_s(plan, model)))
 
-    best, weights = math.inf, set()
+    brute, weights = Brute(), set()
     for plan in homogeneous_plans(model, cluster.nodes, batch, "fp16", Knobs()):
-        try:
-            validate_plan(plan, model, cluster)
-        except InputError:
-            continue
-        est = estimate(plan, model, cluster, params, validate=False)
-        if est.fits:
+        if brute.offer(plan, model, cluster, params, weight=slow) is not None:
             weights.add(round(slow(plan), 9))
-            best = min(best, est.iteration_time_s * slow(plan))
+    best = brute.best_s
     assert math.isfinite(best) and len(weights) > 1  # the weight tells plans apart
     floor = float(slowdowns(*load, terms, checkpoint_floor_s(model, nodes), True))
     assert 1.0 <= floor <= min(weights)

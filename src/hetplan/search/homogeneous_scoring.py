@@ -361,15 +361,15 @@ class Scorer:
         ``sync`` False: ``_first_bound``, smaller (no reduction, no optimizer, the quickest
         transfer anywhere) and needing no data-parallel layout: the search refines it
         only for candidates it reaches."""
+        m = most_micro_batches(self.global_batch, c.dp, c.micro_batch)  # the busiest replica
+        if not sync:
+            return self._first_bound(c, m)
         model, params, memo = self.model, self.params, self.memo
         plan = self.knobs(c)
         v = c.virtual_stages
-        m = most_micro_batches(self.global_batch, c.dp, c.micro_batch)  # the busiest replica
         p = c.pp
         shards = c.dp if c.zero_stage >= 1 else 1
         nodes = self.stage_nodes(c)
-        if not sync:
-            return self._first_bound(c, m)
         lay, sync_s, deferred = self._sync(c)
         per_mb = c.zero_stage >= 2 and not deferred  # ZeRO-2/3 collectives per micro-batch
         lo_sends: list[float] = []
