@@ -258,8 +258,7 @@ def default_market_mix_bounds(console: Console) -> None:
     offers.sort(key=lambda o: o.price("spot") / max(pts.offer_floor(job, o).rate_flops))
     start = time.process_time()
     points: list[pts.Point] = []
-    for offer in offers:
-        prov._single_type(job, offer, points)
+    prov._single_types(job, offers, points)
     singles_s = time.process_time() - start
     start = time.process_time()
     old, _, _ = mixes_mod.mix_grid(job, offers, batch=False)

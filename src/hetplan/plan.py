@@ -87,6 +87,11 @@ class Plan:
     """Overlap tensor-parallel collectives with the neighbouring matmuls (Megatron-Core with
     Transformer Engine's userbuffers); only what exceeds the compute stays exposed."""
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
+    model: ModelSpec | None = field(default=None, compare=False)
+    """The model the plan was made for, as the file states it (``plan``, ``provision`` and
+    ``replan`` write it): a command reading the plan takes its sequence length unless given
+    --seq-len (``model_for_plan``) and refuses a model of another shape (``check_plan_model``).
+    None: a file that does not say (every command then takes the model as given)."""
 
     @property
     def dp(self) -> int:
@@ -121,6 +126,9 @@ class Plan:
             return compact_dict(self)
         out = asdict(self)
         out.pop("extra")
+        out.pop("model")
+        if self.model is not None:
+            out["model"] = model_dict(self.model)
         for pipe in out["pipelines"]:
             for stage in pipe["stages"]:
                 stage["devices"] = list(stage["devices"])
@@ -163,6 +171,70 @@ def _chunks(data: dict[str, Any], where: str) -> tuple[int, ...] | None:
                 f"{where}chunks", f"layer counts must be integers >= 0, got {shown(x)}"
             )
     return tuple(raw)
+
+
+MODEL_SHAPE = ("family", "layers", "hidden", "heads", "kv_heads", "ffn", "vocab",
+               "tie_embeddings")  # fmt: skip
+"""The model fields a plan depends on besides its sequence length (which it may run at
+another, given explicitly)."""
+
+
+def model_dict(model: ModelSpec) -> dict[str, Any]:
+    """Returns the plan file's ``model`` object: the model's name, shape and sequence length."""
+    out: dict[str, Any] = {"name": model.name}
+    out.update({k: getattr(model, k) for k in MODEL_SHAPE})
+    out["seq_len"] = model.seq
+    return out
+
+
+def _parse_model(raw: Any) -> ModelSpec:
+    """Returns the model a plan file's ``model`` object states (every field required)."""
+    if not isinstance(raw, dict):
+        raise InputError("model", "must be an object (name, shape and seq_len)")
+    for key in ("name", *MODEL_SHAPE, "seq_len"):
+        if key not in raw:
+            raise InputError(f"model.{key}", "required")
+    if not isinstance(raw["name"], str) or not raw["name"]:
+        raise InputError("model.name", f"must be a non-empty string, got {shown(raw['name'])}")
+    if raw["family"] not in ("gpt", "llama"):
+        raise InputError("model.family", f"must be gpt or llama, got {shown(raw['family'])}")
+    if not isinstance(raw["tie_embeddings"], bool):
+        raise InputError("model.tie_embeddings", f"must be true or false, got "
+                         f"{shown(raw['tie_embeddings'])}")  # fmt: skip
+    for key in ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "seq_len"):
+        value = raw[key]
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise InputError(f"model.{key}", f"must be a positive integer, got {shown(value)}")
+    return ModelSpec(raw["name"], raw["family"], raw["layers"], raw["hidden"], raw["heads"],
+                     raw["kv_heads"], raw["ffn"], raw["vocab"], raw["seq_len"],
+                     raw["tie_embeddings"])  # fmt: skip
+
+
+def model_for_plan(plan: Plan, model: ModelSpec, seq_len: int | None) -> ModelSpec:
+    """Returns the model a command costs or runs ``plan`` with: ``model`` (the --model option,
+    loaded with ``seq_len``, the --seq-len option) at the sequence length the plan was made
+    for unless ``seq_len`` was given; raises InputError (--model) where the plan states a
+    model of another shape. A plan that states no model leaves ``model`` as it is."""
+    check_model_shape(plan, model)
+    if plan.model is None or seq_len is not None:
+        return model
+    return model.with_seq(plan.model.seq)
+
+
+def check_model_shape(plan: Plan, model: ModelSpec) -> None:
+    """Raises InputError (--model) unless ``model`` has the shape of the model the plan was
+    made for (its name may differ: a config.json copied elsewhere is the same model)."""
+    made = plan.model
+    if made is None:
+        return
+    for key in MODEL_SHAPE:
+        want, got = getattr(made, key), getattr(model, key)
+        if want != got:
+            raise InputError(
+                "--model",
+                f"the plan was made for {made.name}, whose {key} is {shown(want)}; "
+                f"{model.name}'s is {shown(got)}",
+            )
 
 
 def plan_from_dict(data: Any, cluster: Cluster | None = None) -> Plan:
@@ -223,6 +295,7 @@ def _parse_plan(data: Any) -> Plan:
         "overlap_grad_reduce",
         "overlap_tp_comm",
         "pipelines",
+        "model",
     }
     extra = {k: v for k, v in data.items() if k not in known}
     plan = Plan(
@@ -239,6 +312,7 @@ def _parse_plan(data: Any) -> Plan:
         overlap_grad_reduce=bool(data.get("overlap_grad_reduce", True)),
         overlap_tp_comm=bool(data.get("overlap_tp_comm", False)),
         extra=extra,
+        model=None if data.get("model") is None else _parse_model(data["model"]),
     )
     check_plan_form(plan)
     return plan
@@ -329,8 +403,10 @@ def check_chunks(stage: Stage, v: int, where: str) -> None:
 def check_plan_model(plan: Plan, model: ModelSpec) -> None:
     """Raises InputError unless the plan fits the model whatever the cluster: its form,
     every pipeline's layers summing to the model's, TP degrees dividing the heads and the
-    FFN, layers splitting into the stated chunks (``export`` has no cluster to check)."""
+    FFN, layers splitting into the stated chunks (``export`` has no cluster to check), and
+    the model of the shape the plan was made for where the file states one."""
     check_plan_form(plan)
+    check_model_shape(plan, model)
     for i, pipe in enumerate(plan.pipelines):
         layers = sum(s.layers for s in pipe.stages)
         if layers != model.layers:

@@ -14,7 +14,7 @@ from hetplan.commands.options import ModelOpt, SeqOpt
 from hetplan.errors import InputError
 from hetplan.model import load_model
 from hetplan.outputs import write_text
-from hetplan.plan import check_plan_model, load_plan
+from hetplan.plan import check_plan_model, load_plan, model_for_plan
 
 
 def register(app: typer.Typer) -> None:
@@ -37,6 +37,7 @@ def export(
 
     spec = load_model(model, seq_len)
     the_plan = load_plan(plan_path, option="PLAN")
+    spec = model_for_plan(the_plan, spec, seq_len)
     check_plan_model(the_plan, spec)  # no cluster here: what the model alone can check
     if fmt == "megatron":
         text = " \\\n  ".join(shlex.quote(a) for a in megatron_args(the_plan, spec)) + "\n"

@@ -53,7 +53,7 @@ from hetplan.cost.params import CostParams
 from hetplan.errors import InputError
 from hetplan.model import ModelSpec, load_model
 from hetplan.outputs import check_output
-from hetplan.plan import Plan, load_plan
+from hetplan.plan import Plan, load_plan, model_for_plan
 from hetplan.report import require_matplotlib
 from hetplan.report.table import breakdown_table, estimate_json, plan_label, plans_table
 
@@ -152,6 +152,7 @@ def plan(
             field, reason = _infeasible(search, limits)
             raise InputError(field, reason)
         raise InputError("plan", _no_fit_message(min_mem, cl))
+    ranked = [(dataclasses.replace(p, model=spec), e) for p, e in ranked]  # files state it
     best_plan, best_est = ranked[0]
     if out_path is not None:
         best_plan.save(out_path, compact=not expand)
@@ -294,6 +295,7 @@ def explain(
     spec = load_model(model, seq_len)
     cl = load_cluster(cluster)
     the_plan = load_plan(plan_path, cl, option="PLAN")
+    spec = model_for_plan(the_plan, spec, seq_len)
     if precision is not None:
         the_plan = dataclasses.replace(the_plan, precision=resolve_precision(cl, precision))
     info = explain_plan(the_plan, spec, cl, load_cost(params_path, profile_path), expand)

@@ -37,7 +37,7 @@ from hetplan.cost.estimate import estimate
 from hetplan.errors import InputError
 from hetplan.model import load_model
 from hetplan.outputs import check_output
-from hetplan.plan import Plan, load_plan
+from hetplan.plan import Plan, load_plan, model_for_plan
 from hetplan.report import require_matplotlib
 from hetplan.report.table import breakdown_table, estimate_json, plans_table
 
@@ -142,6 +142,7 @@ def predict(
                 raise InputError(name, "the plan file (--plan) fixes it: give the degrees "
                                  "without --plan, or edit the file")  # fmt: skip
         the_plan = load_plan(plan_path, cl)
+        spec = model_for_plan(the_plan, spec, seq_len)
         if micro_batch_size is not None:
             for i, pipe in enumerate(the_plan.pipelines):
                 if micro_batch_size <= 0 or pipe.batch_size % micro_batch_size:

@@ -244,6 +244,9 @@ def provision(
             time_limit_s=limit_s,
             pricing=rate,
         )
+    for point in res.points:  # the plans state the model they were made for
+        if point.plan is not None:
+            point.plan = dataclasses.replace(point.plan, model=spec)
     if plot is not None:
         write_pareto_plot(plot, res, constraints)
     if as_json:

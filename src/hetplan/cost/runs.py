@@ -308,7 +308,7 @@ def _manifest_runs(path: Path) -> list[Run]:
 
     from hetplan.cluster import load_cluster
     from hetplan.model import load_model
-    from hetplan.plan import load_plan, validate_plan
+    from hetplan.plan import load_plan, model_for_plan, validate_plan
 
     try:
         data = yaml.safe_load(path.read_text())
@@ -333,6 +333,7 @@ def _manifest_runs(path: Path) -> list[Run]:
         cluster = load_cluster(str(cl_path) if cl_path.exists() else cl_spec)
         plan_path = path.parent / str(item["plan"])
         plan = load_plan(plan_path, option=f"{where}.plan")
+        model = model_for_plan(plan, model, item.get("seq_len"))
         validate_plan(plan, model, cluster)
         value = item["measured_iter_s"]
         if value is not None and (not isinstance(value, int | float) or value <= 0):

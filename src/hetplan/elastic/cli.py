@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -60,19 +61,21 @@ def replan_report(
     from hetplan.elastic.recovery import plan_recovery, problem_from_plans
     from hetplan.elastic.replan import replan
     from hetplan.model import load_model
-    from hetplan.plan import load_plan, validate_plan
+    from hetplan.plan import load_plan, model_for_plan, validate_plan
 
     model = load_model(model_spec, seq_len)
     cluster = load_cluster(cluster_spec)
     params = load_cost(params_path, profile)
     plan = load_plan(plan_path)
+    model = model_for_plan(plan, model, seq_len)
     validate_plan(plan, model, cluster)
     joined = load_cluster(joined_spec, "--joined") if joined_spec else None
     storage = storage_bandwidth_bytes_per_s(cluster_spec, storage_bw)
     res = replan(plan, model, cluster, lost, joined, params=params, search=search)
     rec = plan_recovery(problem_from_plans(plan, res.plan, model, cluster, res.cluster, storage))
+    new_plan = replace(res.plan, model=model)  # the file states the model it was made for
     report = {
-        "plan": json.loads(json.dumps(res.plan.to_dict())),
+        "plan": json.loads(json.dumps(new_plan.to_dict())),
         "replan_time_s": res.replan_time_s,
         "method": res.method,
         "old_iteration_time_s": res.old_estimate.iteration_time_s,
@@ -83,7 +86,7 @@ def replan_report(
         "storage_bytes_per_s": storage,
         "recovery": rec.to_json(),
     }
-    return report, res.plan
+    return report, new_plan
 
 
 def replan_cmd(
