@@ -10,6 +10,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import lru_cache
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # numpy is imported where a replay needs it: `plan` may never load it
+    import numpy as np
 
 Action = tuple[str, int, int]
 """('F' or 'B', micro-batch, chunk)."""
@@ -142,7 +146,130 @@ def replay(
 
     ``fwd_s[s][c]``/``bwd_s[s][c]``: time of chunk ``c`` of stage ``s`` for one micro-batch.
     ``send_s[s]``: transfer time from stage ``s`` to stage ``(s + 1) % p`` (either way).
+    One chunk per stage (GPipe, 1F1B) without ``record``: in one pass over the actions in a
+    topological order (``_flat_replay``); else stage by stage until every action is done.
     """
+    if v == 1 and not record and schedule in ("GPipe", "1F1B"):
+        return _flat_replay(schedule, m, fwd_s, bwd_s, send_s)
+    return _stagewise_replay(schedule, m, v, fwd_s, bwd_s, send_s, record)
+
+
+@dataclass(frozen=True)
+class _Flat:
+    """One chunk per stage: every action in a topological order of its dependencies, each
+    as the positions (in that order) of its stage's previous action and of the action it
+    waits for (-1: none), the transfer it waits for (-1: none) and its duration's index
+    (2 x stage + 1 if a backward); per stage, the positions of its last action and of its
+    last backward."""
+
+    prev: list[int]
+    dep: list[int]
+    lat: list[int]
+    dur: np.ndarray
+    last: list[int]
+    last_backward: list[int]
+
+
+@lru_cache(maxsize=1024)
+def _flat(schedule: str, p: int, m: int) -> _Flat:
+    """Returns the GPipe or 1F1B actions of ``p`` stages on ``m`` micro-batches in a
+    topological order: sorted by a key that grows along every dependency, the start of the
+    action in the schedule with unit forwards and backwards and no transfers (1F1B, stage
+    s with w = min(p - s - 1, m) warm-up forwards: forward i at s + i while i <= w, else at
+    s + 2i; backward i at 2p - 1 - s + 2i; GPipe: forward i at s + i, backward i at
+    m + 2p - 2 - s + i). It grows by at least one along each stage's order and from each
+    forward to the next stage's and each backward to the previous stage's, so every action
+    comes after all it waits for (tested against the stage-by-stage replay)."""
+    import numpy as np
+
+    kinds, mbs, stages, keys = [], [], [], []
+    i_all = np.arange(m)
+    for s in range(p):
+        if schedule == "GPipe":
+            kind = np.repeat([0, 1], m)
+            mb = np.concatenate([i_all, i_all])
+        else:
+            w = min(p - s - 1, m)
+            steady = m - w
+            kind = np.concatenate([np.zeros(w, int), np.tile([0, 1], steady), np.ones(w, int)])
+            mb = np.concatenate([
+                np.arange(w),
+                np.stack([np.arange(w, m), np.arange(steady)], axis=1).ravel(),
+                np.arange(steady, m),
+            ])  # fmt: skip
+        if schedule == "GPipe":
+            key = np.where(kind == 0, s + mb, m + 2 * p - 2 - s + mb)
+        else:
+            w = min(p - s - 1, m)
+            key = np.where(kind == 0, np.where(mb <= w, s + mb, s + 2 * mb), 2 * p - 1 - s + 2 * mb)
+        kinds.append(kind)
+        mbs.append(mb)
+        stages.append(np.full(kind.size, s))
+        keys.append(key)
+    kind, mb, stage, key = (np.concatenate(x) for x in (kinds, mbs, stages, keys))
+    order = np.lexsort((stage, key))
+    pos = np.empty(order.size, dtype=int)
+    pos[order] = np.arange(order.size)  # action (in stage order) -> its place in ``order``
+    slot = np.full((2, p, m), -1)
+    slot[kind, stage, mb] = pos
+    starts = np.cumsum([0] + [k.size for k in kinds])
+    prev = np.full(order.size, -1)
+    for s in range(p):  # each stage's previous action
+        a, b = starts[s], starts[s + 1]
+        prev[pos[a + 1 : b]] = pos[a : b - 1]
+    dep = np.full(order.size, -1)
+    lat = np.full(order.size, -1)
+    fwd = (kind == 0) & (stage > 0)  # a forward waits for the previous stage's, sent
+    dep[pos[fwd]] = slot[0, stage[fwd] - 1, mb[fwd]]
+    lat[pos[fwd]] = stage[fwd] - 1
+    bwd = (kind == 1) & (stage < p - 1)  # a backward for the next stage's, sent back
+    dep[pos[bwd]] = slot[1, stage[bwd] + 1, mb[bwd]]
+    lat[pos[bwd]] = stage[bwd]
+    # the last stage's backward follows its own forward: its stage order already says so
+    dur = np.empty(order.size, dtype=int)
+    dur[pos] = 2 * stage + kind
+    last = [int(pos[starts[s + 1] - 1]) for s in range(p)]
+    last_b = [int(slot[1, s, m - 1]) for s in range(p)]
+    return _Flat(prev.tolist(), dep.tolist(), lat.tolist(), dur, last, last_b)
+
+
+def _flat_replay(
+    schedule: str, m: int, fwd_s: list[list[float]], bwd_s: list[list[float]], send_s: list[float]
+) -> Replay:
+    """Returns ``replay``'s outcome for one chunk per stage: each action, in a topological
+    order, ends at the later of its stage's previous action's end and its dependency's end
+    plus the transfer, plus its duration (the same rule as the stage-by-stage replay)."""
+    import numpy as np
+
+    p = len(fwd_s)
+    fl = _flat(schedule, p, m)
+    table = np.array([t for s in range(p) for t in (fwd_s[s][0], bwd_s[s][0])], dtype=float)
+    durs = table[fl.dur].tolist()
+    sends = [*send_s, 0.0]  # index -1: no transfer
+    done = [0.0] * (len(durs) + 1)  # index -1: no action (0 s)
+    for k, (pv, dp, lt, d) in enumerate(zip(fl.prev, fl.dep, fl.lat, durs, strict=True)):
+        t = done[pv]
+        r = done[dp] + sends[lt]
+        done[k] = (r if r > t else t) + d
+    ends = [done[k] for k in fl.last]
+    b_end = [done[k] for k in fl.last_backward]
+    b_start = [e - bwd_s[s][0] for s, e in enumerate(b_end)]
+    busy = [m * (fwd_s[s][0] + bwd_s[s][0]) for s in range(p)]
+    return Replay(max(ends), b_start, b_end, busy, list(b_start))
+
+
+def _stagewise_replay(
+    schedule: str,
+    m: int,
+    v: int,
+    fwd_s: list[list[float]],
+    bwd_s: list[list[float]],
+    send_s: list[float],
+    record: bool = False,
+) -> Replay:
+    """Returns ``replay``'s outcome, stage by stage: each stage runs its actions in order
+    until one waits for an action not yet done, and the stages are visited in turn until
+    every action is done."""
     p = len(fwd_s)
     program = _compiled(schedule, p, m, v)
     done = [-1.0] * (2 * p * v * m)
