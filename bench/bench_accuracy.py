@@ -7,7 +7,9 @@ sets (MegaScale's Megatron-LM baseline, GPT 175B on 256 to 12,288 A100s) predict
 shipped terms, never fitted. For each:
 mean and worst absolute error, rank correlation, whether the plan ranked first is the
 measured best (among runs of the same job), in sample and with cold leave-one-out (each
-held-out row predicted by terms fitted from scratch without it).
+held-out row predicted by terms fitted from scratch without it). And memory: the runs that
+publish a measured peak (Sailor's), against estimate's tensors plus one offset for the stack
+(``cost.memory_check``).
 
     .venv/bin/python bench/bench_accuracy.py            # in sample + cold LOO
     .venv/bin/python bench/bench_accuracy.py --no-loo   # in sample only (fast)
@@ -29,6 +31,7 @@ from rich.table import Table
 from hetplan.cost.calibrate_data import shipped_files
 from hetplan.cost.calibrate_fit import fit
 from hetplan.cost.calibrate_report import in_sample, leave_one_out
+from hetplan.cost.memory_check import errors_pct, memory_rows, offset_bytes
 from hetplan.cost.params import CostParams, load_params
 from hetplan.cost.runs import Run, load_runs
 from hetplan.hardware import catalog_gpus
@@ -76,6 +79,23 @@ def _row_table(name: str, rows: list[dict[str, Any]], loo: dict[str, Any] | None
             "-" if r["measured"] is None else f"{r['measured']:.3f}", err,
             "-" if h is None or h["error_pct"] is None else f"{h['error_pct']:+.1f}",
         )  # fmt: skip
+    return table
+
+
+def memory_table(runs: list[Run], params: CostParams) -> Table:
+    """Returns the measured peaks against estimate's tensors plus the set's one offset."""
+    rows = memory_rows(runs, params)
+    offset = offset_bytes(rows)
+    errors = errors_pct(rows, offset)
+    gib = 2**30
+    table = Table(title=f"Measured peak memory per GPU (GiB): Sailor OPT-350 on GH200, "
+                  f"estimate's tensors + {offset / gib:.2f} GiB for the stack (the median "
+                  f"gap); worst {max(abs(e) for e in errors):.1f}% (target 10%)")  # fmt: skip
+    for col in ("run", "measured", "tensors", "tensors + offset", "error %"):
+        table.add_column(col, justify="right")
+    for r, e in zip(rows, errors, strict=True):
+        table.add_row(r.label, f"{r.measured_bytes / gib:.2f}", f"{r.tensor_bytes / gib:.2f}",
+                      f"{(r.tensor_bytes + offset) / gib:.2f}", f"{e:+.1f}")  # fmt: skip
     return table
 
 
@@ -138,6 +158,7 @@ def main() -> None:
                                 _fmt_pick(rep), "-", "-", "-")  # fmt: skip
         console.print(summary)
         console.print(f"targets: in sample {TARGET}; cold LOO {LOO_TARGET}")
+        console.print(memory_table(load_runs(SAILOR / "measured_plans.csv"), shipped))
         fitted_names = {g for p in fitted for g in p.gpus}
         fallback = sorted({g.name for g in catalog_gpus()} - fitted_names)
         console.print(f"fall back to default terms (no measured run): {', '.join(fallback)}")

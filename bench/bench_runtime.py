@@ -254,7 +254,7 @@ def run_bench(args: argparse.Namespace, console: Console) -> int:
     (root / "model").mkdir(exist_ok=True)
     model_path = root / "model" / "config.json"
     model_path.write_text(json.dumps(MODEL))
-    model = load_model(str(model_path))
+    load_model(str(model_path))  # a malformed config fails here, before any run
     torch.set_num_threads(1)
     every: dict[str, tuple[Any, ...]] = {**{k: (*v, {}) for k, v in PLANS.items()}, **FEATURES}
     every["dp2" + ELASTIC] = every["dp2"]  # the same plan through launch --elastic
@@ -282,7 +282,6 @@ def run_bench(args: argparse.Namespace, console: Console) -> int:
         links = {kind: db.link_figures(gpu, kind) for kind in LINKS}
         console.print(f"round {k}: profiled at load {load:.1f}: " + _describe(links))
         for name, plan_path in plans.items():
-            est = estimate(load_plan(plan_path), model, cluster, profile=db)
             cfg = RunConfig(
                 plan=str(plan_path),
                 model=str(model_path),
@@ -291,6 +290,8 @@ def run_bench(args: argparse.Namespace, console: Console) -> int:
                 threads=1,
                 warmup_steps=2,
             )
+            # the model as the run trains it (its dropout), as launch predicts it
+            est = estimate(load_plan(plan_path), cfg.model_spec(), cluster, profile=db)
             loads[name].append(os.getloadavg()[0])
             if name.endswith(ELASTIC):
                 from hetplan.elastic.elastic_run import run_elastic

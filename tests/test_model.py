@@ -1,4 +1,5 @@
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -103,3 +104,55 @@ def test_bad_models(tmp_path):
         load_model(str(bad))
     with pytest.raises(InputError, match="heads"):
         ModelSpec("x", "gpt", 2, 100, 3, 3, 400, 100, 16)
+
+
+def test_activation_and_dropout_change_the_kept_activations():
+    """Per layer and sequence, TP 1, bf16, flash attention (Korthikanti et al. 2022's terms
+    by hand, s = 2048, h = 1024, f = 4096): norms and matmul inputs 2 x 4sh, Q K V and the
+    projection input 2 x 4sh, the MLP 2 x sf per tensor it keeps (GeLU two, ReLU one), the
+    softmax statistics 4as; with dropout, the masks of its two residual dropouts, sh bytes
+    each (the attention probabilities' is an s^2 term, absent with flash attention)."""
+    base = load_model("gpt3-350m")
+    s, h, f, a = base.seq, base.hidden, base.ffn, base.heads
+    common = 2 * 4 * s * h + 2 * 4 * s * h + 4 * a * s
+    cases = [("gelu", True, 2, 2), ("gelu", False, 2, 0), ("relu", False, 1, 0)]
+    for act, drop, mlp, masks in cases:
+        m = replace(base, activation=act, uses_dropout=drop)
+        want = common + mlp * 2 * s * f + masks * s * h
+        assert m.layer_activation_bytes(1, False, "none", True) == want, (act, drop)
+    # OPT's MLP is ReLU (its released configs): one tensor of the MLP's width less than GeLU
+    assert load_model("opt-350m").mlp_activation == "relu"
+    assert load_model("gpt3-350m").mlp_activation == "gelu"
+    assert load_model("llama2-7b").mlp_activation == "swiglu"
+    assert (load_model("gpt2").dropout, load_model("llama2-7b").dropout) == (True, False)
+    with pytest.raises(InputError) as exc:
+        replace(base, activation="swiglu")
+    assert exc.value.field == "model.activation"
+
+
+def test_hf_config_activation_and_dropout(tmp_path):
+    """A GPT-2-style config states its activation and dropout probabilities; a Llama-style one
+    its attention dropout. Unstated: the family's."""
+    cfg = {"n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 32, "vocab_size": 100}
+    cases = [({}, "gelu", True), ({"activation_function": "relu"}, "relu", True),
+             ({"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}, "gelu", False),
+             ({"resid_pdrop": 0.1, "attn_pdrop": 0.0}, "gelu", True)]  # fmt: skip
+    for i, (extra, act, drop) in enumerate(cases):
+        path = tmp_path / f"g{i}" / "config.json"
+        path.parent.mkdir()
+        path.write_text(json.dumps(cfg | extra))
+        m = load_model(str(path))
+        assert (m.mlp_activation, m.dropout) == (act, drop), extra
+    bad = tmp_path / "bad" / "config.json"
+    bad.parent.mkdir()
+    bad.write_text(json.dumps(cfg | {"activation_function": "swish"}))
+    with pytest.raises(InputError, match="activation_function"):
+        load_model(str(bad))
+    llama = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+             "intermediate_size": 128, "vocab_size": 100,
+             "max_position_embeddings": 32}  # fmt: skip
+    for extra, drop in (({}, False), ({"attention_dropout": 0.1}, True)):
+        path = tmp_path / f"l{int(drop)}" / "config.json"
+        path.parent.mkdir()
+        path.write_text(json.dumps(llama | extra))
+        assert load_model(str(path)).dropout is drop

@@ -43,6 +43,12 @@ class ModelSpec:
     tie_embeddings: bool = False
     default_global_batch: int = 512
     """Sequences per iteration when the user gives none."""
+    activation: str = ""
+    """The MLP's activation: gelu or relu (gpt; OPT is relu), swiglu (llama); "" the family's
+    (gelu, swiglu). ReLU keeps one tensor of the MLP's width for its backward, GeLU two."""
+    uses_dropout: bool | None = None
+    """Whether training applies dropout (keeping its masks); None: the family's (gpt yes,
+    llama no). A run with dropout probability 0 keeps none."""
 
     def __post_init__(self) -> None:
         for field in ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "seq"):
@@ -59,6 +65,10 @@ class ModelSpec:
             raise InputError("model.kv_heads", f"{self.kv_heads} do not divide heads {self.heads}")
         if self.family not in ("gpt", "llama"):
             raise InputError("model.family", f"unknown family {shown(self.family)} (gpt, llama)")
+        allowed = ("gelu", "relu") if self.family == "gpt" else ("swiglu",)
+        if self.activation and self.activation not in allowed:
+            raise InputError("model.activation", f"{shown(self.activation)} is not one of "
+                             f"{', '.join(allowed)} (family {self.family})")  # fmt: skip
 
     @property
     def head_dim(self) -> int:
@@ -71,14 +81,19 @@ class ModelSpec:
         return self.kv_heads * self.head_dim
 
     @property
+    def mlp_activation(self) -> str:
+        """Returns the MLP's activation: gelu, relu or swiglu."""
+        return self.activation or ("gelu" if self.family == "gpt" else "swiglu")
+
+    @property
     def gated(self) -> bool:
         """Returns whether the MLP is gated (SwiGLU: three matrices)."""
-        return self.family == "llama"
+        return self.mlp_activation == "swiglu"
 
     @property
     def dropout(self) -> bool:
         """Returns whether the layers apply dropout (and keep its masks)."""
-        return self.family == "gpt"
+        return self.family == "gpt" if self.uses_dropout is None else self.uses_dropout
 
     # ---- parameters -------------------------------------------------------------
     @cached_property
@@ -162,7 +177,10 @@ class ModelSpec:
         sharded = e * s * (h + kv)  # Q, K for QK^T
         sharded += e * s * kv  # V
         sharded += e * s * h  # output projection input
-        sharded += (4 if self.gated else 2) * e * s * f  # activation inputs/outputs
+        # the activation's inputs and outputs its backward and the down projection keep:
+        # SwiGLU gate, up, silu(gate) and the product; GeLU its input and output; ReLU only
+        # its output (its backward reads the result, the down projection's input too)
+        sharded += {"swiglu": 4, "gelu": 2, "relu": 1}[self.mlp_activation] * e * s * f
         if not flash_attention and recompute != "selective":
             sharded += (e + drop + e * drop) * a * s * s  # softmax out, dropout mask and out
         elif flash_attention:
@@ -232,6 +250,8 @@ def _from_catalog(name: str) -> ModelSpec:
         seq=entry["seq"],
         tie_embeddings=entry.get("tie_embeddings", False),
         default_global_batch=entry["default_global_batch"],
+        activation=entry.get("activation", ""),
+        uses_dropout=entry.get("dropout"),
     )
 
 
@@ -259,6 +279,9 @@ def model_from_hf_config(path: Path) -> ModelSpec:
     name = path.parent.name or path.stem
     if "n_embd" in cfg:
         hidden = _require_int(cfg, "n_embd", str(path))
+        act = str(cfg.get("activation_function", "gelu_new"))
+        if not (act.startswith("gelu") or act == "relu"):
+            raise InputError(f"{path}:activation_function", f"{shown(act)} is not a GeLU or relu")
         return ModelSpec(
             name=name,
             family="gpt",
@@ -270,6 +293,8 @@ def model_from_hf_config(path: Path) -> ModelSpec:
             vocab=_require_int(cfg, "vocab_size", str(path)),
             seq=_require_int(cfg, "n_positions", str(path)),
             tie_embeddings=bool(cfg.get("tie_word_embeddings", True)),
+            activation="relu" if act == "relu" else "gelu",
+            uses_dropout=_dropout(cfg, ("resid_pdrop", "embd_pdrop", "attn_pdrop")),
         )
     heads = _require_int(cfg, "num_attention_heads", str(path))
     return ModelSpec(
@@ -283,7 +308,14 @@ def model_from_hf_config(path: Path) -> ModelSpec:
         vocab=_require_int(cfg, "vocab_size", str(path)),
         seq=_require_int(cfg, "max_position_embeddings", str(path)),
         tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        uses_dropout=_dropout(cfg, ("attention_dropout", "hidden_dropout")),
     )
+
+
+def _dropout(cfg: dict[str, Any], keys: tuple[str, ...]) -> bool | None:
+    """Returns whether a config's dropout probabilities apply any (None: it states none)."""
+    probs = [cfg[k] for k in keys if isinstance(cfg.get(k), int | float)]
+    return None if not probs else any(p > 0 for p in probs)
 
 
 def load_model(spec: str, seq_len: int | None = None) -> ModelSpec:

@@ -54,6 +54,8 @@ class Run:
     plan: Plan | None = None
     knobs: Knobs | None = None
     """Set when the plan is to be completed by the search (``plan`` is then None)."""
+    measured_peak_bytes: float | None = None
+    """The peak memory one GPU of the run measured, where the source gives it."""
 
     def predict(self, est: Estimate) -> float:
         """Returns the estimate's value of this run's metric."""
@@ -265,13 +267,16 @@ def _generic_run(row: _Row, source: str) -> Run:
 
 
 _SAILOR_MODEL = "opt-350m"
-"""The catalog model of Sailor's OPT-350 runs (24 x 1024, 16 heads, seq 2048)."""
+"""The catalog model of Sailor's OPT-350 runs (24 x 1024, 16 heads, seq 2048, ReLU MLP)."""
 
 
 def _sailor_run(row: _Row, source: str) -> Run:
     from hetplan.model import load_model
 
-    model = load_model(_SAILOR_MODEL)
+    # Sailor's OPT layers (Megatron-DeepSpeed megatron/model/opt_model.py at the data's
+    # commit) apply no dropout: the attention probabilities go to the value matmul as the
+    # softmax leaves them, the residual dropouts are commented out, the embedding adds none
+    model = replace(load_model(_SAILOR_MODEL), uses_dropout=False)
     nodes, gpn = row.integer("nodes"), row.integer("gpus_per_node")
     tp, pp, dp = row.integer("tp"), row.integer("pp"), row.integer("dp")
     raw = row.text("layers_per_stage")
@@ -298,7 +303,8 @@ def _sailor_run(row: _Row, source: str) -> Run:
         for p in base.pipelines
     )
     return Run(source, row.text("plan"), model, cluster, "iter_time_s",
-               row.number("measured_s"), replace(base, pipelines=pipes))  # fmt: skip
+               row.number("measured_s"), replace(base, pipelines=pipes),
+               measured_peak_bytes=row.number("max_mem_bytes", required=False))  # fmt: skip
 
 
 def _manifest_runs(path: Path) -> list[Run]:

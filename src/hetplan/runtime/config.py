@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -56,8 +56,9 @@ class RunConfig:
     """A local Hugging Face checkpoint (config.json + safetensors) to start from."""
 
     def model_spec(self) -> ModelSpec:
-        """Returns the model of this run (with the --seq-len override)."""
-        return load_model(self.model, self.seq_len or None)
+        """Returns the model of this run (with the --seq-len override), dropout as the run
+        applies it (--dropout; 0 keeps no masks): what the run's prediction costs."""
+        return replace(load_model(self.model, self.seq_len or None), uses_dropout=self.dropout > 0)
 
     def optim(self) -> OptimConfig:
         """Returns the optimizer settings of this run."""

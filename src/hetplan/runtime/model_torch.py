@@ -143,6 +143,7 @@ class MLP(nn.Module):
         feat = feat or Features()
         bias = spec.family == "gpt"
         self.gated, self.group, self.sp = spec.gated, group, feat.sequence_parallel
+        self.relu = spec.mlp_activation == "relu"
         self.up = ColumnParallelLinear(spec.hidden, spec.ffn, bias, tp, group)
         if self.gated:
             self.gate = ColumnParallelLinear(spec.hidden, spec.ffn, bias, tp, group)
@@ -153,6 +154,8 @@ class MLP(nn.Module):
         x = gather_for_tp(x, self.group, self.sp)
         if self.gated:
             h = F.silu(self.gate(x, gathered=True)) * self.up(x, gathered=True)
+        elif self.relu:
+            h = F.relu(self.up(x, gathered=True))
         else:
             h = F.gelu(self.up(x, gathered=True), approximate="tanh")
         out: torch.Tensor = self.down(h)
