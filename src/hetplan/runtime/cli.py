@@ -131,15 +131,15 @@ def launch(
 
     if seq_len is not None and seq_len <= 0:
         raise InputError("--seq-len", "must be positive")
+    if db is not None:  # a profile named must exist and be one (predict's --profile rule)
+        from hetplan.commands.common import open_profile
+
+        open_profile(db, "--db")
     if seq_len is None:  # the sequence length the plan was made for, where its file says
         from hetplan.plan import load_plan
 
         made_for = load_plan(plan, option="PLAN").model
         seq_len = None if made_for is None else made_for.seq
-    if db is not None:  # a profile named must exist and be one (predict's --profile rule)
-        from hetplan.commands.common import open_profile
-
-        open_profile(db, "--db")
     tmp_plan = tempfile.TemporaryDirectory(prefix="hetplan-plan-")
     plan = _override_plan(
         plan,
