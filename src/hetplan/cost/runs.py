@@ -230,7 +230,7 @@ def _generic_run(row: _Row, source: str) -> Run:
     model = ModelSpec(
         row.text("label", "model"), family, row.integer("layers"), h, heads,  # type: ignore[arg-type]
         row.integer("kv_heads", heads), row.integer("ffn"), row.integer("vocab"),
-        row.integer("seq"),
+        row.integer("seq"), uses_dropout=row.flag("dropout", family == "gpt"),
     )  # fmt: skip
     net = row.data.get("network_gbit_s", "").strip()
     cluster = _cluster(row.text("gpu"), row.integer("nodes"), row.integer("gpus_per_node"),
