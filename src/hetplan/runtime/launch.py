@@ -77,7 +77,20 @@ def preflight(cfg: RunConfig) -> Checked:
     nodes: dict[str, int] = {}
     for d in devices:
         nodes[d.rpartition(":")[0]] = nodes.get(d.rpartition(":")[0], 0) + 1
+    if device == "cuda":
+        check_gpu_count(max(nodes.values()))
     return Checked(plan, model, cluster, devices, nodes, resume_step)
+
+
+def check_gpu_count(processes: int) -> None:
+    """Raises InputError unless this machine has a GPU for each of the processes the plan
+    runs on one node (rank r of a node uses GPU r)."""
+    import torch
+
+    have = torch.cuda.device_count()
+    if processes > have:
+        raise InputError("--device", f"cuda: the plan runs {processes} processes on one node, "
+                         f"one GPU each, and this machine has {have}")  # fmt: skip
 
 
 def worker_args(cfg: RunConfig) -> list[str]:

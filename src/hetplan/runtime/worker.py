@@ -235,6 +235,19 @@ def _device(name: str) -> torch.device:
     return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
 
 
+def init_distributed(name: str) -> torch.device:
+    """Joins the process group on this rank's device and returns it: NCCL on CUDA, this rank's
+    GPU (LOCAL_RANK) made current first, since NCCL's barrier and object collectives use the
+    current device, GPU 0 on every rank until set (PyTorch's torch.distributed docs); gloo
+    on the CPU."""
+    device = _device(name)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, timeout=timedelta(seconds=300))
+    return device
+
+
 def train(cfg: RunConfig) -> dict[str, Any]:
     """Runs training on this rank (process group already initialised); returns the record."""
     tr = Trainer(cfg)
@@ -312,8 +325,7 @@ def main(argv: list[str] | None = None) -> None:
     cfg = _parse(argv)
     if cfg.threads > 0:
         torch.set_num_threads(cfg.threads)
-    backend = "nccl" if _device(cfg.device).type == "cuda" else "gloo"
-    dist.init_process_group(backend, timeout=timedelta(seconds=300))
+    init_distributed(cfg.device)
     try:
         record = train(cfg)
         if dist.get_rank() == 0 and cfg.result:
