@@ -53,7 +53,7 @@ class ModelSpec:
     def __post_init__(self) -> None:
         for field in ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "seq"):
             value = getattr(self, field)
-            if not isinstance(value, int) or value <= 0:
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise InputError(
                     f"model.{field}", f"must be a positive integer, got {shown(value)}"
                 )

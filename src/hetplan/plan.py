@@ -90,7 +90,7 @@ class Plan:
     model: ModelSpec | None = field(default=None, compare=False)
     """The model the plan was made for, as the file states it (``plan``, ``provision`` and
     ``replan`` write it): a command reading the plan takes its sequence length unless given
-    --seq-len (``model_for_plan``) and refuses a model of another shape (``check_plan_model``).
+    --seq-len (``model_for_plan``); a model of another shape is refused (``check_plan_model``).
     None: a file that does not say (every command then takes the model as given)."""
 
     @property
@@ -201,10 +201,9 @@ def _parse_model(raw: Any) -> ModelSpec:
     if not isinstance(raw["tie_embeddings"], bool):
         raise InputError("model.tie_embeddings", f"must be true or false, got "
                          f"{shown(raw['tie_embeddings'])}")  # fmt: skip
-    for key in ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "seq_len"):
-        value = raw[key]
-        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-            raise InputError(f"model.{key}", f"must be a positive integer, got {shown(value)}")
+    seq = raw["seq_len"]  # (ModelSpec checks the other counts, under the same field names)
+    if not isinstance(seq, int) or isinstance(seq, bool) or seq <= 0:
+        raise InputError("model.seq_len", f"must be a positive integer, got {shown(seq)}")
     return ModelSpec(raw["name"], raw["family"], raw["layers"], raw["hidden"], raw["heads"],
                      raw["kv_heads"], raw["ffn"], raw["vocab"], raw["seq_len"],
                      raw["tie_embeddings"])  # fmt: skip
@@ -213,9 +212,8 @@ def _parse_model(raw: Any) -> ModelSpec:
 def model_for_plan(plan: Plan, model: ModelSpec, seq_len: int | None) -> ModelSpec:
     """Returns the model a command costs or runs ``plan`` with: ``model`` (the --model option,
     loaded with ``seq_len``, the --seq-len option) at the sequence length the plan was made
-    for unless ``seq_len`` was given; raises InputError (--model) where the plan states a
-    model of another shape. A plan that states no model leaves ``model`` as it is."""
-    check_model_shape(plan, model)
+    for unless ``seq_len`` was given. A plan that states no model leaves ``model`` as it is.
+    (A model of another shape is refused where the plan is checked: ``check_plan_model``.)"""
     if plan.model is None or seq_len is not None:
         return model
     return model.with_seq(plan.model.seq)

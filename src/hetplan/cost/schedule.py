@@ -188,6 +188,7 @@ def _flat(schedule: str, p: int, m: int) -> _Flat:
         if schedule == "GPipe":
             kind = np.repeat([0, 1], m)
             mb = np.concatenate([i_all, i_all])
+            key = np.where(kind == 0, s + mb, m + 2 * p - 2 - s + mb)
         else:
             w = min(p - s - 1, m)
             steady = m - w
@@ -197,10 +198,6 @@ def _flat(schedule: str, p: int, m: int) -> _Flat:
                 np.stack([np.arange(w, m), np.arange(steady)], axis=1).ravel(),
                 np.arange(steady, m),
             ])  # fmt: skip
-        if schedule == "GPipe":
-            key = np.where(kind == 0, s + mb, m + 2 * p - 2 - s + mb)
-        else:
-            w = min(p - s - 1, m)
             key = np.where(kind == 0, np.where(mb <= w, s + mb, s + 2 * mb), 2 * p - 1 - s + 2 * mb)
         kinds.append(kind)
         mbs.append(mb)
