@@ -78,6 +78,8 @@ FEATURES = {
     "dp2 full recompute": ("1F1B", 2, 1, DP2, {"recompute": "full"}),
     "dp2 selective recompute": ("1F1B", 2, 1, DP2, {"recompute": "selective"}),
     "dp2 bf16": ("1F1B", 2, 1, DP2, {"precision": "bf16"}),
+    # every micro-batch in flight at once: a weight copy kept per micro-batch shows here
+    "pp2 GPipe bf16": ("GPipe", 2, 1, PLANS["pp2 GPipe"][3], {"precision": "bf16"}),
     "tp2 sequence parallel": ("1F1B", 2, 1, [(8, [(4, [A, B])])], {"sequence_parallel": True}),
 }
 

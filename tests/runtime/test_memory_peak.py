@@ -66,3 +66,40 @@ def test_meter_counts_only_its_hooked_steps() -> None:
                 y = x * x  # saves x (twice: one storage, counted once)
             y.sum().backward()
         assert meter.peak_saved == peak
+
+
+@pytest.mark.distributed
+def test_bf16_pipeline_holds_no_weight_copy_per_micro_batch(
+    tmp_path: Path, inputs: dict[str, Path], write_plan: Any
+) -> None:
+    """GPipe keeps all 4 micro-batches of a stage in flight. A bf16 run keeps the same fp32
+    weights, gradients and AdamW state as an fp32 run and saves half-size activations, so
+    its peak cannot exceed the fp32 run's; under plain autocast every micro-batch saved
+    its own bf16 copy of the stage's weights for its backward (4 copies here, over the
+    fp32 peak). Both stay within issue 15's 20% of ``estimate``'s peak."""
+    from hetplan.cluster import load_cluster
+    from hetplan.cost.estimate import estimate
+    from hetplan.plan import load_plan
+
+    cluster = tmp_path / "cluster.yaml"  # the shared one names no bf16 figure
+    cluster.write_text(
+        inputs["cluster"]
+        .read_text()
+        .replace("fp32_tflops: 0.1", "fp32_tflops: 0.1, bf16_tflops: 0.2")
+    )
+    peaks, predicted = {}, {}
+    for precision in ("fp32", "bf16"):
+        plan = write_plan(
+            tmp_path / f"{precision}.json",
+            [(8, [(2, [0]), (2, [1])])],
+            schedule="GPipe",
+            precision=precision,
+        )
+        cfg = RunConfig(str(plan), str(inputs["gpt"]), str(cluster), steps=2)
+        peaks[precision] = run_local(cfg)["peak_memory_bytes"]
+        est = estimate(load_plan(plan), cfg.model_spec(), load_cluster(str(cluster)))
+        predicted[precision] = [s.memory.total for s in est.stages]
+    for i, device in enumerate(("host:0", "host:1")):
+        assert peaks["bf16"][device] < peaks["fp32"][device]
+        for precision in ("fp32", "bf16"):
+            assert peaks[precision][device] == pytest.approx(predicted[precision][i], rel=0.2)

@@ -54,6 +54,7 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
 
 from hetplan.runtime.layout import SyncGroup, layer_unit
+from hetplan.runtime.tp import ColumnParallelLinear, RowParallelLinear
 
 
 class GlooReduceScatter(DefaultReduceScatter):
@@ -110,6 +111,9 @@ def shard_block(
 ) -> None:
     """Shards one layer over ``pg`` as ZeRO-3 runs it (the profile times the same)."""
     mesh = mesh or DeviceMesh.from_group(pg, device.type)
+    for m in block.modules():  # whole weights exist only while the layer runs: no step copy
+        if isinstance(m, (ColumnParallelLinear, RowParallelLinear)):
+            m.share_weights = False
     fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward)
     block.set_gradient_divide_factor(1.0)  # type: ignore[operator]
     block.set_force_sum_reduction_for_comms(True)  # type: ignore[operator]

@@ -29,7 +29,7 @@ from hetplan.runtime.memory_meter import MemoryMeter
 from hetplan.runtime.model_torch import Features, StageModel, init_params
 from hetplan.runtime.optim import PlanOptimizer
 from hetplan.runtime.pipeline import build_schedule, make_loss_fn, run_step
-from hetplan.runtime.precision import LossScaler, set_matmul_precision
+from hetplan.runtime.precision import LossScaler, set_matmul_precision, step_weights
 from hetplan.runtime.state import gather_unit, load_unit, restore_unit, save_unit
 from hetplan.runtime.teardown import leave_and_exit
 
@@ -173,7 +173,7 @@ class Trainer:
         self.opt.zero_grad()
         scale = self.scaler.scale
         torch.manual_seed(self.dropout_seed + 104_729 * self.step)
-        with self.meter.step():
+        with self.meter.step(), step_weights():
             local = run_step(self.sched, place, inputs.to(self.device), targets.to(self.device))
         info = self.opt.step(self.step + 1)
         held = [lp.param for lp in self.params] + self.opt.state_tensors()
