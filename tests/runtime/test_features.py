@@ -117,11 +117,15 @@ LOW_STEPS = 20
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+@pytest.mark.parametrize(
+    ("precision", "zero"), [("bf16", 0), ("fp16", 0), ("bf16", 1), ("fp16", 1)]
+)
 def test_low_precision_follows_fp32_curve(
-    tmp_path: Path, inputs: dict[str, Path], write_plan: Any, precision: str
+    tmp_path: Path, inputs: dict[str, Path], write_plan: Any, precision: str, zero: int
 ) -> None:
-    plan = write_plan(tmp_path / "plan.json", DP2, precision=precision)
+    """ZeRO-1 keeps the parameters themselves in the low precision and an fp32 master
+    shard (``zero.py``); without ZeRO they are fp32 under autocast."""
+    plan = write_plan(tmp_path / "plan.json", DP2, precision=precision, zero_stage=zero)
     cluster = tmp_path / "cluster.yaml"  # a device type with bf16 (the CPU has it)
     cluster.write_text(
         inputs["cluster"].read_text().replace("fp32_tflops", "bf16_tflops: 0.2, fp32_tflops")

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 from hetplan.cluster import load_cluster
+from hetplan.cost.estimate import estimate
 from hetplan.model import load_model
 from hetplan.plan import load_plan
 from hetplan.runtime.config import RunConfig
@@ -171,3 +172,70 @@ def test_zero3_state_resumes_under_another_plan(
     ref, losses = _reference(inputs, 3)
     assert max_relative_error(checkpoint_params(work), ref) <= 1e-5
     assert record["steps"][0]["loss"] == pytest.approx(losses[2], rel=1e-5)
+
+
+# ---- bf16: 2-byte parameters, fp32 master shards (zero.py) -----------------------------
+DP4 = [(2, [(4, [i])]) for i in range(4)]
+
+
+def _bf16_inputs(inputs: dict[str, Path], root: Path) -> dict[str, Path]:
+    cluster = root / "cluster_bf16.yaml"  # the shared one names no bf16 figure
+    cluster.write_text(
+        inputs["cluster"].read_text().replace("fp32_tflops", "bf16_tflops: 0.2, fp32_tflops")
+    )
+    return {**inputs, "cluster": cluster}
+
+
+@pytest.mark.distributed
+def test_bf16_zero_memory_is_the_cost_models(
+    tmp_path: Path, inputs: dict[str, Path], write_plan: Any
+) -> None:
+    """Four replicas. Per parameter, fp32 ZeRO-1 holds 4 (weights) + 4 (gradients) + 8/4
+    (AdamW shard) bytes; bf16 ZeRO-1 2 + 4 + 12/4 (master and AdamW shard): less, with
+    half-size activations besides. Fp32 weights beside the shard's master held 4 + 4 + 8/4
+    plus a bf16 copy, above the fp32 run. Each within 10% of ``estimate``'s peak (the
+    Megatron-Core table, 6 + 12/d for bf16)."""
+    bf = _bf16_inputs(inputs, tmp_path)
+    cluster = load_cluster(str(bf["cluster"]))
+    for stage in (1, 2):
+        peak = {}
+        for precision in ("fp32", "bf16"):
+            plan = write_plan(
+                tmp_path / f"{precision}{stage}.json", DP4, zero_stage=stage, precision=precision
+            )
+            cfg = RunConfig(str(plan), str(bf["gpt"]), str(bf["cluster"]), steps=2, threads=1)
+            peak[precision] = max(run_local(cfg, timeout_s=300)["peak_memory_bytes"].values())
+            est = estimate(load_plan(plan), cfg.model_spec(), cluster)
+            assert peak[precision] == pytest.approx(est.max_memory_bytes, rel=0.1)
+        assert peak["bf16"] < 0.85 * peak["fp32"]
+
+
+@pytest.mark.distributed
+def test_bf16_zero1_checkpoint_keeps_the_fp32_master(
+    tmp_path: Path, inputs: dict[str, Path], write_plan: Any
+) -> None:
+    """bf16 ZeRO-1 on 3 replicas (padded buffer, shards cutting parameters): the
+    checkpoint holds the fp32 masters, not the bf16 parameters (values bf16 cannot
+    represent), and 2 steps + a resumed 3rd end where 3 straight steps do, to the bit
+    (resuming from bf16-rounded weights would not); ZeRO-2 follows within fp32 rounding
+    (its gradients are summed in another order)."""
+    import torch
+
+    bf = _bf16_inputs(inputs, tmp_path)
+    plan = write_plan(tmp_path / "p.json", DP3, zero_stage=1, precision="bf16")
+    straight = run_local(_cfg(plan, bf, tmp_path / "straight", steps=3), timeout_s=300)
+    want = checkpoint_params(tmp_path / "straight")
+    assert all(t.dtype == torch.float32 for t in want.values())
+    assert any(bool((t.to(torch.bfloat16).float() != t).any()) for t in want.values())
+
+    run_local(_cfg(plan, bf, tmp_path / "ckpt", steps=2), timeout_s=300)
+    work = tmp_path / "resumed"
+    shutil.copytree(tmp_path / "ckpt", work)
+    record = run_local(_cfg(plan, bf, work, steps=3, resume=True), timeout_s=300)
+    got = checkpoint_params(work)
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    assert record["steps"][0]["loss"] == straight["steps"][2]["loss"]
+
+    two = write_plan(tmp_path / "z2.json", DP3, zero_stage=2, precision="bf16")
+    run_local(_cfg(two, bf, tmp_path / "z2", steps=3), timeout_s=300)
+    assert max_relative_error(checkpoint_params(tmp_path / "z2"), want) <= 1e-5

@@ -4,9 +4,10 @@ on the global norm, the learning-rate schedule and AdamW.
 
 ZeRO-1 and -2 shard each sync group (the ranks that hold the same units at the same
 tensor-parallel index, whatever the replicas' batch shares) as Megatron-Core's distributed
-optimizer does: flat fp32 buffers, a reduce-scatter of the gradients into each member's
-contiguous shard (ZeRO-1 once per step, ZeRO-2 every micro-batch), AdamW on the shard and
-an all-gather of the updated parameters (``zero.py``). ZeRO-3 shards the layers with FSDP
+optimizer does: flat buffers (the parameters in the plan's precision, the gradients in
+fp32), a reduce-scatter of the gradients into each member's contiguous shard (ZeRO-1 once
+per step, ZeRO-2 every micro-batch), AdamW on the shard's fp32 master and an all-gather of
+the updated parameters (``zero.py``). ZeRO-3 shards the layers with FSDP
 (``fsdp.py``); their gradients arrive reduce-scattered and AdamW updates each rank's shard.
 
 The step runs on each ZeRO-3 parameter's local shard as a plain tensor sharing the
@@ -29,7 +30,7 @@ from hetplan.runtime.grad_sync import LocalParam, square_sum, sync_grads
 from hetplan.runtime.layout import RankPlace, RuntimeLayout, SyncGroup
 from hetplan.runtime.optim_config import OptimConfig, adamw_kwargs, clip_coefficient, lr_at
 from hetplan.runtime.precision import LossScaler
-from hetplan.runtime.zero import STATE_KEYS, ZeroBucket, buckets_of
+from hetplan.runtime.zero import STATE_KEYS, ZeroBucket, buckets_of, low_precision_params
 
 __all__ = ["STATE_KEYS", "PlanOptimizer"]
 
@@ -50,9 +51,11 @@ class PlanOptimizer:
         scaler: LossScaler,
         device: torch.device,
         deferred: bool = False,
+        low: torch.dtype | None = None,
     ) -> None:
         """``deferred``: ZeRO-2 runs as ZeRO-1 (``cost.sharding.deferred_sync``: pipelined
-        plans)."""
+        plans). ``low``: the plan's low precision, in which ZeRO-1/2 keep the parameters
+        (``zero.py``)."""
         self.params, self.sync, self.zero_stage, self.cfg = params, sync, zero_stage, cfg
         self.layout, self.place, self.tp_group = layout, place, tp_group
         self.seq_par, self.scaler, self.device = sequence_parallel, scaler, device
@@ -62,6 +65,7 @@ class PlanOptimizer:
         zero_groups: set[int] = set()
         mode = 1 if zero_stage == 2 and deferred else zero_stage
         self.per_micro_batch = mode == 2
+        low = low if low_precision_params(layout, zero_stage) else None
         if zero_stage > 0:
             for sg, pg in sync:
                 if not sg.sharded:
@@ -75,7 +79,7 @@ class PlanOptimizer:
                         continue
                     if mode == 2 and sequence_parallel and tp_group is not None:
                         self._check_tp_aligned(sg)
-                    b = ZeroBucket(mine, pg, mode, most, cfg)
+                    b = ZeroBucket(mine, pg, mode, most, cfg, low)
                     self.buckets.append(b)
                     self.bucket_of.update((id(lp.param), b) for lp in mine)
                     zero_groups.add(id(sg))
@@ -171,7 +175,13 @@ class PlanOptimizer:
             and lp.unit.startswith("layer_")
             and not (self.per_micro_batch and id(lp.param) in self.bucket_of)
         ]
-        grads = [_local(lp.param.grad) for lp in mine if lp.param.grad is not None]
+        grads = []
+        for lp in mine:
+            b = self.bucket_of.get(id(lp.param))
+            if b is not None and b.low is not None:
+                grads.append(b.grad_of(lp.param))  # added into the fp32 buffer
+            elif lp.param.grad is not None:
+                grads.append(_local(lp.param.grad))
         with torch.no_grad():
             _all_reduce_pieces(grads, self.tp_group)
 
@@ -225,8 +235,10 @@ class PlanOptimizer:
                 self._full[id(lp.param)] = (full, state)
         for b in self.buckets:
             states = b.gather_state()
+            masters = b.gather_masters()  # low precision: the fp32 values, not the params'
             for lp in b.params:
-                self._full[id(lp.param)] = (lp.param.detach(), states.get(id(lp.param), {}))
+                value = masters.get(id(lp.param), lp.param.detach())
+                self._full[id(lp.param)] = (value, states.get(id(lp.param), {}))
 
     def param_of(self, lp: LocalParam) -> torch.Tensor:
         """Returns the TP-local, data-parallel-whole value of ``lp`` (after materialize)."""
@@ -252,9 +264,11 @@ class PlanOptimizer:
             p.to_local().copy_(local.to(p.device))  # type: ignore[attr-defined]
         else:
             p.copy_(value.to(p.device))
+        bucket = self.bucket_of.get(id(p))
+        if bucket is not None:
+            bucket.load_param(lp, value)
         if state is None or not all(k in state for k in STATE_KEYS):
             return
-        bucket = self.bucket_of.get(id(p))
         if bucket is not None:
             bucket.load_state(lp, state)
             return

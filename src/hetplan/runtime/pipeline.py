@@ -36,23 +36,29 @@ def make_loss_fn(
 
 
 def _examples(
-    chunk: Chunk, spec: ModelSpec, micro_batch: int, precision: str
+    chunk: Chunk,
+    spec: ModelSpec,
+    micro_batch: int,
+    precision: str,
+    act_dtype: torch.dtype = torch.float32,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns meta tensors shaped as a chunk's input and output for one micro-batch: token
-    ids or fp32 activations in; fp32 activations or logits out (in the autocast dtype, as
-    the head's linear layer gives them under bf16 or fp16)."""
+    ids or activations in; activations or logits out (in the autocast dtype, as the head's
+    linear layer gives them under bf16 or fp16). Activations are ``act_dtype``: fp32 where
+    the parameters are (autocast keeps the residual stream in fp32), the low precision
+    where ZeRO keeps the parameters in it (``zero.low_precision_params``)."""
     meta = torch.device("meta")
     b, s = micro_batch, spec.seq
     if chunk.stage_index == 0:
         x = torch.empty(b, s, dtype=torch.int64, device=meta)
     else:
-        x = torch.empty(b, s, spec.hidden, device=meta, requires_grad=True)
+        x = torch.empty(b, s, spec.hidden, dtype=act_dtype, device=meta, requires_grad=True)
     if chunk.head:
         low = {"bf16": torch.bfloat16, "fp16": torch.float16}
         dtype = low.get(precision, torch.float32)
         y = torch.empty(b, s, spec.vocab, dtype=dtype, device=meta, requires_grad=True)
     else:
-        y = torch.empty(b, s, spec.hidden, device=meta, requires_grad=True)
+        y = torch.empty(b, s, spec.hidden, dtype=act_dtype, device=meta, requires_grad=True)
     return x, y
 
 
@@ -85,6 +91,7 @@ def build_schedule(
     spec: ModelSpec,
     precision: str,
     deferred_zero3: bool = False,
+    act_dtype: torch.dtype = torch.float32,
 ) -> Any:
     """Returns the schedule object that runs this rank's chunks of its replica's pipeline.
 
@@ -92,12 +99,13 @@ def build_schedule(
     pipelining infers them at the first step by running a real forward and backward whose
     graph, one micro-batch of activations, it then keeps for the whole run.
     ``deferred_zero3``: the stages' ZeRO-3 layers sync at the last backward only
-    (``DeferredStage``)."""
+    (``DeferredStage``). ``act_dtype``: the activations' dtype between stages
+    (``_examples``)."""
     mb = place.batch_size // place.micro_batches
     stages: list[Any] = []
     stage_cls = DeferredStage if deferred_zero3 else PipelineStage
     for m, c in zip(modules, place.chunks, strict=True):
-        x, y = _examples(c, spec, mb, precision)
+        x, y = _examples(c, spec, mb, precision, act_dtype)
         stages.append(
             stage_cls(
                 m,

@@ -3,8 +3,10 @@
 - fp32: fp32 everywhere (on CUDA, TF32 tensor cores forbidden).
 - tf32: fp32 storage, matmuls on TF32 tensor cores (CUDA); on CPU the same math as fp32.
 - bf16: ``torch.autocast`` to bfloat16 around every chunk's forward (matmuls and attention
-  in bf16); parameters, gradients and AdamW state stay fp32 (the master weights the cost
-  model counts); the loss is computed from fp32 logits. The linear layers take their
+  in bf16); gradients and AdamW state are fp32, and so are the parameters (the master
+  weights the cost model counts) except under ZeRO-1/2, where the parameters are bf16 and
+  the fp32 master is each member's shard (``zero.py``); the loss is computed from fp32
+  logits. The linear layers take their
   low-precision weights from one copy a step (``step_weights``, ``linear``), as the 2-byte
   weights the cost model counts: under plain autocast each micro-batch in flight keeps
   its own copy of every weight it used, saved for its backward (GPipe's m micro-batches:

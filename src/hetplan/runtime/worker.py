@@ -29,9 +29,15 @@ from hetplan.runtime.memory_meter import MemoryMeter
 from hetplan.runtime.model_torch import Features, StageModel, init_params
 from hetplan.runtime.optim import PlanOptimizer
 from hetplan.runtime.pipeline import build_schedule, make_loss_fn, run_step
-from hetplan.runtime.precision import LossScaler, set_matmul_precision, step_weights
+from hetplan.runtime.precision import (
+    LossScaler,
+    autocast_dtype,
+    set_matmul_precision,
+    step_weights,
+)
 from hetplan.runtime.state import gather_unit, load_unit, restore_unit, save_unit
 from hetplan.runtime.teardown import leave_and_exit
+from hetplan.runtime.zero import low_precision_params
 
 log = logging.getLogger(__name__)
 
@@ -104,6 +110,9 @@ class Trainer:
         self.dropout_seed = cfg.seed * 1_000_003 + 7919 * place.replica + place.stage + 1
         self.params: list[LocalParam] = local_params(list(self.modules))
         self.scaler = LossScaler(plan.precision == "fp16")
+        # ZeRO-1/2 in bf16/fp16: 2-byte parameters with fp32 master shards (zero.py)
+        low_params = low_precision_params(self.layout, plan.zero_stage)
+        self.low = autocast_dtype(plan.precision) if low_params else None
         self.opt = PlanOptimizer(
             self.params,
             self.sync,
@@ -116,6 +125,7 @@ class Trainer:
             self.scaler,
             self.device,
             deferred=deferred_sync(plan),  # pipelined ZeRO-2 as the cost model prices it
+            low=self.low,
         )
         # activations counted in the warm-up steps (at least the first): the timed ones
         # run without the meter's hooks
@@ -151,6 +161,7 @@ class Trainer:
             self.model,
             self.plan.precision,
             deferred_zero3=plan.zero_stage == 3 and deferred_sync(plan),
+            act_dtype=self.low or torch.float32,
         )
 
     def _units(self) -> list[str]:

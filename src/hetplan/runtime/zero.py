@@ -1,9 +1,19 @@
 """ZeRO-1/2 as the cost model prices them (Megatron-Core's distributed optimizer): the
-parameters of a sync group live in one contiguous fp32 buffer, their gradients in another,
+parameters of a sync group live in one contiguous buffer, their gradients in an fp32 one,
 both padded to a multiple of the group size; a reduce-scatter sums the gradients into each
-member's contiguous shard, AdamW updates that shard of the parameters (the fp32 master
-shard: fp32 parameters need no second copy), and ``all_gather_into_tensor`` brings every
-member the updated parameters. The reduce-scatter is ``reduce_scatter_tensor``; on gloo an
+member's contiguous shard, AdamW updates the fp32 master of that shard, and
+``all_gather_into_tensor`` brings every member the updated parameters.
+
+The parameter buffer is in the plan's precision. fp32 and tf32: the parameters are the
+masters (the shard's slice, no second copy). bf16 and fp16: the parameters themselves are
+bf16 or fp16 (2 bytes each, the model runs on them with no cast), the fp32 master is the
+shard's alone, and each parameter's gradient, made in the low precision by each
+micro-batch's backward, is added into the fp32 buffer and dropped
+(``register_post_accumulate_grad_hook``), as Megatron's ``main_grad``: the 6 + 12/d bytes
+per parameter of the cost model's table (2 + 4 + 12/d), where fp32 parameters beside the
+shard's master held 10 + 8/d, and the all-gather moves 2-byte parameters, as the cost model
+prices it. The sums are those of autocast over fp32 parameters: the same low-precision
+gradients added in fp32. The reduce-scatter is ``reduce_scatter_tensor``; on gloo an
 all-reduce of the working buffer in place, whose slice is the shard (``ZeroBucket._scatter``
 says why).
 
@@ -102,6 +112,21 @@ def buckets_of(layout: RuntimeLayout, sg: SyncGroup) -> list[tuple[str, ...]]:
     return [tuple(u for u in sg.units if key_of[u] == k) for k in keys]
 
 
+def low_precision_params(layout: RuntimeLayout, zero_stage: int) -> bool:
+    """Returns whether ZeRO keeps the parameters in the plan's low precision: ZeRO-1/2, and
+    every unit of every rank in a sharded sync group (so in a bucket with an fp32 master).
+    Otherwise no rank does (the same answer on every rank): a unit a single rank holds, or
+    one held at different TP degrees, stays an fp32 parameter under autocast, and a model
+    mixing fp32 and 2-byte parameters would hand fp32 activations to 2-byte norms (CPU
+    autocast leaves norms in the input's dtype). ZeRO-3's layers are FSDP's (fp32 shards)."""
+    if zero_stage not in (1, 2):
+        return False
+    covered = {(r, u) for g in layout.sync_groups if g.sharded for r in g.ranks for u in g.units}
+    return all(
+        (p.rank, u) in covered for p in layout.places for c in p.chunks for u in c.sync_units()
+    )
+
+
 class ZeroBucket:
     """One bucket's flat buffers, shard, AdamW and collectives on this rank."""
 
@@ -112,7 +137,9 @@ class ZeroBucket:
         stage: int,
         micro_batches: int,
         cfg: OptimConfig,
+        low: torch.dtype | None = None,
     ) -> None:
+        """``low``: the plan's low precision (bf16, fp16), in which the parameters live."""
         self.params = sorted(params, key=lambda lp: lp.name)  # the same order on every member
         self.pg, self.stage, self.micro_batches = pg, stage, micro_batches
         self.n, self.me = dist.get_world_size(pg), dist.get_rank(pg)
@@ -126,13 +153,18 @@ class ZeroBucket:
         self.offset_of = {
             id(lp.param): off for lp, off in zip(self.params, self.layout.offsets, strict=True)
         }
-        self.flat = torch.zeros(self.layout.padded, dtype=torch.float32, device=first.device)
+        self.low = low
+        full = torch.zeros(self.layout.padded, dtype=torch.float32, device=first.device)
         with torch.no_grad():
             for lp, off in zip(self.params, self.layout.offsets, strict=True):
-                view = self.flat[off : off + lp.param.numel()].view_as(lp.param)
-                view.copy_(lp.param)
-                lp.param.data = view
-        self.master = torch.nn.Parameter(self.flat[self.lo : self.lo + self.layout.shard])
+                full[off : off + lp.param.numel()].copy_(lp.param.reshape(-1))
+            mine = full[self.lo : self.lo + self.layout.shard]
+            self.flat = full if low is None else full.to(low)
+            for lp, off in zip(self.params, self.layout.offsets, strict=True):
+                lp.param.data = self.flat[off : off + lp.param.numel()].view_as(lp.param)
+        # fp32: the shard's slice of the parameters; low precision: the shard's own copy
+        self.master = torch.nn.Parameter(mine if low is None else mine.clone())
+        del full, mine
         self.opt = torch.optim.AdamW([self.master], **adamw_kwargs(cfg))
         self.grads: torch.Tensor | None = None  # the whole gradient buffer
         self.shard_grad: torch.Tensor | None = None
@@ -144,20 +176,33 @@ class ZeroBucket:
         self.arrived = 0
         self.done = 0
         self.active = False
-        if stage == 2:
-            for lp in self.params:
+        for lp in self.params:
+            if stage == 2:
                 lp.param.register_hook(self._before_grad)
+            if stage == 2 or low is not None:
                 lp.param.register_post_accumulate_grad_hook(self._after_grad)
 
     # ---- gradients ------------------------------------------------------------------
     def _views(self, buf: torch.Tensor) -> None:
         for lp, off in zip(self.params, self.layout.offsets, strict=True):
-            lp.param.grad = buf[off : off + lp.param.numel()].view_as(lp.param)
+            # low precision: the gradients are added into ``buf`` as they come (_adopt)
+            view = buf[off : off + lp.param.numel()].view_as(lp.param)
+            lp.param.grad = view if self.low is None else None
+
+    def _new_grads(self) -> torch.Tensor:
+        return torch.zeros(self.layout.padded, dtype=torch.float32, device=self.flat.device)
+
+    def grad_of(self, p: torch.Tensor) -> torch.Tensor:
+        """Returns ``p``'s fp32 gradient: its view of the whole buffer (ZeRO-1, after the
+        backward)."""
+        assert self.grads is not None
+        off = self.offset_of[id(p)]
+        return self.grads[off : off + p.numel()].view(p.shape)
 
     def start(self) -> None:
         """Before a step's backward: a zeroed gradient buffer under every parameter."""
         if self.grads is None:
-            self.grads = torch.zeros_like(self.flat)
+            self.grads = self._new_grads()
         else:
             self.grads.zero_()
         self._views(self.grads)
@@ -181,15 +226,18 @@ class ZeroBucket:
                 self.extra.append(self.pending)
                 self.keep.append(self.grads)
                 self.pending = None
-                self.grads = torch.zeros_like(self.flat)
+                self.grads = self._new_grads()
                 self._views(self.grads)
         return grad
 
     def _after_grad(self, p: torch.Tensor) -> None:
-        """ZeRO-2: counts this micro-batch's gradients; with all of them, reduce-scatters."""
+        """Adds a low-precision gradient into the fp32 buffer; ZeRO-2: counts this
+        micro-batch's gradients and, with all of them, reduce-scatters."""
         if not self.active:
             return
         self._adopt(p)
+        if self.stage != 2:
+            return
         self.arrived += 1
         if self.arrived == len(self.params):
             self.arrived = 0
@@ -221,10 +269,16 @@ class ZeroBucket:
 
     def _adopt(self, p: torch.Tensor) -> None:
         """Makes sure ``p``'s gradient is its view of the buffer (autograd accumulates into
-        an existing gradient in place; should it have replaced it, copy it back)."""
+        an existing gradient in place; should it have replaced it, copy it back). Low
+        precision: adds the gradient into the fp32 buffer and drops it."""
         assert self.grads is not None
         off = self.offset_of[id(p)]
-        view = self.grads[off : off + p.numel()].view_as(p)
+        view = self.grads[off : off + p.numel()].view(p.shape)
+        if self.low is not None:
+            if p.grad is not None:
+                view.add_(p.grad)
+                p.grad = None
+            return
         if p.grad is None:
             p.grad = view
         elif p.grad.data_ptr() != view.data_ptr():
@@ -243,7 +297,7 @@ class ZeroBucket:
             self.extra.append(self.pending)
             self.pending = None
         for _ in range(self.done, self.micro_batches):
-            zeros = torch.zeros_like(self.flat)
+            zeros = self._new_grads()
             self.keep.append(zeros)
             self.extra.append(self._scatter(zeros, async_op=True))
 
@@ -297,14 +351,23 @@ class ZeroBucket:
     # ---- the update -----------------------------------------------------------------
     @torch.no_grad()
     def step(self) -> None:
-        """AdamW on the shard, then every member gathers the updated parameters."""
+        """AdamW on the shard, then every member gathers the updated parameters (low
+        precision: the master's rounding, 2 bytes each; gloo and NCCL take bf16 and fp16)."""
         self.opt.step()
-        _all_gather(self.flat, self.master.detach().clone(), group=self.pg)
+        if self.low is None:
+            _all_gather(self.flat, self.master.detach().clone(), group=self.pg)
+            return
+        mine = self.flat[self.lo : self.lo + self.layout.shard]
+        mine.copy_(self.master)
+        _all_gather(self.flat, mine.clone(), group=self.pg)
 
     def state_tensors(self) -> list[torch.Tensor]:
-        """Returns the AdamW state and gradient shard this rank holds."""
+        """Returns the AdamW state and gradient shard this rank holds (low precision: with
+        the fp32 master and the whole gradient buffer, which no parameter's grad shows)."""
         st = self.opt.state.get(self.master, {})
         out = [st[k] for k in STATE_KEYS if k in st]
+        if self.low is not None:
+            out += [self.master.detach()] + ([self.grads] if self.grads is not None else [])
         return out + ([self.shard_grad] if self.shard_grad is not None else [])
 
     # ---- checkpoints ----------------------------------------------------------------
@@ -316,7 +379,7 @@ class ZeroBucket:
             return {}
         full = {}
         for key in STATE_KEYS:
-            full[key] = torch.empty_like(self.flat)
+            full[key] = self._new_grads()
             _all_gather(full[key], st[key].contiguous(), group=self.pg)
         out = {}
         for lp, off in zip(self.params, self.layout.offsets, strict=True):
@@ -326,6 +389,32 @@ class ZeroBucket:
                 entry[key] = full[key][off : off + n].view_as(lp.param)
             out[id(lp.param)] = entry
         return out
+
+    @torch.no_grad()
+    def gather_masters(self) -> dict[int, torch.Tensor]:
+        """Collective over the group: every parameter's whole fp32 master, by id (low
+        precision; {} where the parameters are the masters)."""
+        if self.low is None:
+            return {}
+        full = self._new_grads()
+        _all_gather(full, self.master.detach().contiguous(), group=self.pg)
+        return {
+            id(lp.param): full[off : off + lp.param.numel()].view(lp.param.shape)
+            for lp, off in zip(self.params, self.layout.offsets, strict=True)
+        }
+
+    @torch.no_grad()
+    def load_param(self, lp: LocalParam, value: torch.Tensor) -> None:
+        """Writes this rank's part of ``lp``'s fp32 ``value`` into the master shard (low
+        precision; the parameter itself is set by the caller)."""
+        if self.low is None:
+            return
+        index = next(i for i, q in enumerate(self.params) if q.param is lp.param)
+        flat = value.reshape(-1)
+        for pc in self.mine:
+            if pc.index == index:
+                src = flat[pc.lo : pc.hi].to(self.master.device, torch.float32)
+                self.master.data[pc.at : pc.at + pc.hi - pc.lo].copy_(src)
 
     @torch.no_grad()
     def load_state(self, lp: LocalParam, state: dict[str, Any]) -> None:
