@@ -112,7 +112,17 @@ def profile_round(root: Path, model_path: Path, reps: int, k: int) -> tuple[Prof
     load = os.getloadavg()[0]
     db = ProfileDB(root / f"profile{k}.sqlite")
     model = load_model(str(model_path))
-    profile_model(db, "cpu", model, [2], [1, 2], torch.device("cpu"), reps=reps, links=True)
+    profile_model(
+        db,
+        "cpu",
+        model,
+        [2],
+        [1, 2],
+        torch.device("cpu"),
+        reps=reps,
+        links=True,
+        precisions=("fp32", "bf16"),
+    )
     return db, load
 
 

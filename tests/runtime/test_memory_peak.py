@@ -72,11 +72,12 @@ def test_meter_counts_only_its_hooked_steps() -> None:
 def test_bf16_pipeline_holds_no_weight_copy_per_micro_batch(
     tmp_path: Path, inputs: dict[str, Path], write_plan: Any
 ) -> None:
-    """GPipe keeps all 4 micro-batches of a stage in flight. A bf16 run keeps the same fp32
-    weights, gradients and AdamW state as an fp32 run and saves half-size activations, so
-    its peak cannot exceed the fp32 run's; under plain autocast every micro-batch saved
-    its own bf16 copy of the stage's weights for its backward (4 copies here, over the
-    fp32 peak). Both stay within issue 15's 20% of ``estimate``'s peak."""
+    """GPipe keeps all 4 micro-batches of a stage in flight. A bf16 run keeps 2-byte
+    weights beside the fp32 masters, gradients and AdamW state of an fp32 run and saves
+    half-size activations, so its peak stays under the fp32 run's; with fp32 parameters
+    under plain autocast every micro-batch saved its own bf16 copy of the stage's weights
+    for its backward (4 copies here, over the fp32 peak). Both within issue 15's 20% of
+    ``estimate``'s peak."""
     from hetplan.cluster import load_cluster
     from hetplan.cost.estimate import estimate
     from hetplan.plan import load_plan

@@ -211,18 +211,20 @@ def test_bf16_zero_memory_is_the_cost_models(
 
 
 @pytest.mark.distributed
-def test_bf16_zero1_checkpoint_keeps_the_fp32_master(
-    tmp_path: Path, inputs: dict[str, Path], write_plan: Any
+@pytest.mark.parametrize("stage", [0, 1])
+def test_bf16_checkpoint_keeps_the_fp32_master(
+    tmp_path: Path, inputs: dict[str, Path], write_plan: Any, stage: int
 ) -> None:
-    """bf16 ZeRO-1 on 3 replicas (padded buffer, shards cutting parameters): the
-    checkpoint holds the fp32 masters, not the bf16 parameters (values bf16 cannot
-    represent), and 2 steps + a resumed 3rd end where 3 straight steps do, to the bit
-    (resuming from bf16-rounded weights would not); ZeRO-2 follows within fp32 rounding
-    (its gradients are summed in another order)."""
+    """bf16 on 3 replicas, the modules on bf16 parameters (ZeRO-1: a padded buffer, shards
+    cutting parameters, fp32 master shards; ZeRO-0: whole fp32 masters): the checkpoint
+    holds the fp32 masters, not the bf16 parameters (values bf16 cannot represent), and 2
+    steps + a resumed 3rd end where 3 straight steps do, to the bit (resuming from
+    bf16-rounded weights would not); ZeRO-2 follows ZeRO-1 within fp32 rounding (its
+    gradients are summed in another order)."""
     import torch
 
     bf = _bf16_inputs(inputs, tmp_path)
-    plan = write_plan(tmp_path / "p.json", DP3, zero_stage=1, precision="bf16")
+    plan = write_plan(tmp_path / "p.json", DP3, zero_stage=stage, precision="bf16")
     straight = run_local(_cfg(plan, bf, tmp_path / "straight", steps=3), timeout_s=300)
     want = checkpoint_params(tmp_path / "straight")
     assert all(t.dtype == torch.float32 for t in want.values())
@@ -236,6 +238,8 @@ def test_bf16_zero1_checkpoint_keeps_the_fp32_master(
     assert all(torch.equal(got[k], want[k]) for k in want)
     assert record["steps"][0]["loss"] == straight["steps"][2]["loss"]
 
+    if stage == 0:
+        return
     two = write_plan(tmp_path / "z2.json", DP3, zero_stage=2, precision="bf16")
     run_local(_cfg(two, bf, tmp_path / "z2", steps=3), timeout_s=300)
     assert max_relative_error(checkpoint_params(tmp_path / "z2"), want) <= 1e-5

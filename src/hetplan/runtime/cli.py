@@ -277,6 +277,12 @@ def profile(
     tp: Annotated[str, typer.Option(help="Comma-separated TP degrees.")] = "1",
     threads: Annotated[int, typer.Option(help="Threads (0: torch default).")] = 0,
     reps: Annotated[int, typer.Option(help="Timed repetitions (median).")] = 5,
+    precision: Annotated[
+        str,
+        typer.Option(
+            help="Comma-separated: fp32, tf32, bf16, fp16, each timed as the runtime runs it."
+        ),
+    ] = "fp32",
     db: Annotated[Path | None, typer.Option(help="Profile database path.")] = None,
     links: Annotated[
         bool,
@@ -310,12 +316,21 @@ def profile(
             raise InputError("--tp", f"{t} does not divide the heads, kv heads and ffn")
     import torch
 
-    from hetplan.runtime.profile import profile_model
+    from hetplan.runtime.profile import PRECISIONS, profile_model
 
     if not (device == "cpu" or device.startswith("cuda")):
         raise InputError("--device", f"{shown(device)}: use cpu or cuda:N")
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise InputError("--device", "CUDA is not available on this machine")
+    precisions = tuple(dict.fromkeys(p.strip() for p in precision.split(",") if p.strip()))
+    for p in precisions:
+        if p not in PRECISIONS:
+            raise InputError("--precision", f"{shown(p)}: use {', '.join(PRECISIONS)}")
+    if not precisions:
+        raise InputError("--precision", "name at least one of " + ", ".join(PRECISIONS))
+    cuda_no_bf16 = device.startswith("cuda") and not torch.cuda.is_bf16_supported()
+    if "bf16" in precisions and cuda_no_bf16:
+        raise InputError("--precision", "bf16: this GPU has no bfloat16 support; use fp16")
     if threads > 0:
         torch.set_num_threads(threads)
     dev = torch.device(device)
@@ -323,12 +338,15 @@ def profile(
     store = ProfileDB(db)
     if links and dev.type != "cpu":
         raise InputError("--links", "the link measurement runs on the CPU (gloo) only")
-    records = profile_model(store, label, spec, mbs, tps, dev, reps, links=links)
+    records = profile_model(
+        store, label, spec, mbs, tps, dev, reps, links=links, precisions=precisions
+    )
     figures = store.device_figures(label)
     if as_json:
         rows = [
             {
                 "device": r.device,
+                "precision": r.precision,
                 "tp": r.tp,
                 "micro_batch": r.micro_batch,
                 "forward_s": r.times.forward_s,
@@ -340,10 +358,11 @@ def profile(
         typer.echo(json_text({"db": str(store.path), "layers": rows, "device": figures}))
         return
     table = Table(title=f"{spec.name} layer on {label} ({store.path})")
-    for col in ("tp", "micro-batch", "forward ms", "backward ms", "activations MB"):
+    for col in ("precision", "tp", "micro-batch", "forward ms", "backward ms", "activations MB"):
         table.add_column(col, justify="right")
     for r in records:
         table.add_row(
+            r.precision,
             str(r.tp),
             str(r.micro_batch),
             f"{r.times.forward_s * 1e3:.3f}",

@@ -30,7 +30,7 @@ from hetplan.runtime.grad_sync import LocalParam, square_sum, sync_grads
 from hetplan.runtime.layout import RankPlace, RuntimeLayout, SyncGroup
 from hetplan.runtime.optim_config import OptimConfig, adamw_kwargs, clip_coefficient, lr_at
 from hetplan.runtime.precision import LossScaler
-from hetplan.runtime.zero import STATE_KEYS, ZeroBucket, buckets_of, low_precision_params
+from hetplan.runtime.zero import STATE_KEYS, ZeroBucket, buckets_of
 
 __all__ = ["STATE_KEYS", "PlanOptimizer"]
 
@@ -65,7 +65,6 @@ class PlanOptimizer:
         zero_groups: set[int] = set()
         mode = 1 if zero_stage == 2 and deferred else zero_stage
         self.per_micro_batch = mode == 2
-        low = low if low_precision_params(layout, zero_stage) else None
         if zero_stage > 0:
             for sg, pg in sync:
                 if not sg.sharded:

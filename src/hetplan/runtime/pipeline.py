@@ -45,8 +45,9 @@ def _examples(
     """Returns meta tensors shaped as a chunk's input and output for one micro-batch: token
     ids or activations in; activations or logits out (in the autocast dtype, as the head's
     linear layer gives them under bf16 or fp16). Activations are ``act_dtype``: fp32 where
-    the parameters are (autocast keeps the residual stream in fp32), the low precision
-    where ZeRO keeps the parameters in it (``zero.low_precision_params``)."""
+    the parameters are (autocast keeps the residual stream in fp32: ZeRO-3 plans), the low
+    precision where the modules run on low-precision parameters (``precision.LowParams``,
+    ``zero.py``), as Megatron sends them."""
     meta = torch.device("meta")
     b, s = micro_batch, spec.seq
     if chunk.stage_index == 0:

@@ -3,14 +3,15 @@
 - fp32: fp32 everywhere (on CUDA, TF32 tensor cores forbidden).
 - tf32: fp32 storage, matmuls on TF32 tensor cores (CUDA); on CPU the same math as fp32.
 - bf16: ``torch.autocast`` to bfloat16 around every chunk's forward (matmuls and attention
-  in bf16); gradients and AdamW state are fp32, and so are the parameters (the master
-  weights the cost model counts) except under ZeRO-1/2, where the parameters are bf16 and
-  the fp32 master is each member's shard (``zero.py``); the loss is computed from fp32
-  logits. The linear layers take their
-  low-precision weights from one copy a step (``step_weights``, ``linear``), as the 2-byte
-  weights the cost model counts: under plain autocast each micro-batch in flight keeps
-  its own copy of every weight it used, saved for its backward (GPipe's m micro-batches:
-  m copies of the stage's weights), cast anew each micro-batch.
+  in bf16); the modules' parameters are bf16 and the optimizer steps fp32 masters (whole:
+  ``LowParams``; under ZeRO-1/2 the shard's: ``zero.py``), gradients summed in fp32, as
+  Megatron and the cost model's table; the loss is computed from fp32 logits. ZeRO-3
+  layers are FSDP's fp32 shards, run under autocast. Where fp32 parameters run under
+  autocast (ZeRO-3 plans), the linear layers take their low-precision weights from one
+  copy a step (``step_weights``, ``linear``; FSDP's layers cast in the forward and again
+  in the backward): under plain autocast each micro-batch in flight keeps its own copy
+  of every weight it used, saved for its backward (GPipe's m micro-batches: m copies of
+  the stage's weights), cast anew each micro-batch.
 - fp16: as bf16 with float16, plus dynamic loss scaling (Micikevicius et al. 2018): the
   loss is multiplied by a scale S before the backward; the gradients are divided by S
   before clipping and the step; a step whose gradients hold an inf or NaN on any rank is
@@ -20,7 +21,7 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -126,6 +127,57 @@ def linear(
         low = hit[1]
     out: torch.Tensor = _CastLinear.apply(x, weight, bias, dtype, low)
     return out
+
+
+class LowParams:
+    """Megatron's mixed precision for parameters outside ZeRO's buckets: the modules run on
+    bf16/fp16 parameters while the optimizer, gradient sums, clipping and checkpoints keep
+    working on the fp32 masters (the parameters they were given). Each micro-batch's
+    low-precision gradient is added into its master's fp32 gradient and dropped
+    (``register_post_accumulate_grad_hook``): the sums autocast makes over fp32 parameters.
+    ``refresh`` copies the masters into the low-precision parameters after each optimizer
+    step or load. 2 + 4 (gradient) + 12 bytes a parameter, the cost model's table, and the
+    model runs with no cast."""
+
+    def __init__(
+        self, modules: list[torch.nn.Module], masters: Sequence[torch.Tensor], dtype: torch.dtype
+    ) -> None:
+        self.pairs: list[tuple[torch.Tensor, torch.nn.Parameter]] = []
+        low_of: dict[int, torch.nn.Parameter] = {}
+        for p in masters:
+            low = torch.nn.Parameter(p.detach().to(dtype))
+            low.register_post_accumulate_grad_hook(self._hook(p))
+            low_of[id(p)] = low
+            self.pairs.append((p, low))
+        for module in modules:
+            for m in module.modules():
+                for name, q in list(m._parameters.items()):
+                    if q is not None and id(q) in low_of:
+                        m._parameters[name] = low_of[id(q)]  # a tied table: one low copy
+
+    @staticmethod
+    def _hook(master: torch.Tensor) -> Any:
+        def add(low: torch.Tensor) -> None:
+            g = low.grad
+            if g is None:
+                return
+            if master.grad is None:
+                master.grad = g.to(master.dtype)
+            else:
+                master.grad.add_(g)
+            low.grad = None
+
+        return add
+
+    @torch.no_grad()
+    def refresh(self) -> None:
+        """Rounds every master into its low-precision parameter."""
+        for master, low in self.pairs:
+            low.copy_(master)
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Returns the low-precision parameters (memory the run holds)."""
+        return [low for _, low in self.pairs]
 
 
 def set_matmul_precision(precision: str, device: torch.device) -> None:

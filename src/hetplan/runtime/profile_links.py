@@ -243,7 +243,7 @@ def _links_worker(rank: int, world: int, init: str, job: dict, out: str) -> None
         reps, model = job["reps"], job["model"]
         _ALIGN.append(dist.barrier)  # every rank computes at once, as in a run
         compute = measure_compute(
-            model, job["micro_batches"], job["tps"], torch.device("cpu"), reps
+            model, job["micro_batches"], job["tps"], torch.device("cpu"), reps, job["precisions"]
         )
         p2p = [_p2p(rank, s, reps) for s in P2P_SIZES]
         ar = [_timed(partial(_grad_allreduce, _pieces(s)), reps) for s in ALLREDUCE_SIZES]
@@ -289,6 +289,7 @@ def profile_links(
     tps: list[int],
     threads: int = 1,
     reps: int = 5,
+    precisions: tuple[str, ...] = ("fp32",),
 ) -> dict[str, Any]:
     """Measures gloo point-to-point, all-reduce, ZeRO's all-gather and reduce-scatter, the
     all-reduce of one number, the pipelining overhead and each TP degree's layer
@@ -305,6 +306,7 @@ def profile_links(
         out = Path(tmp) / "links.json"
         job = {"reps": reps, "model": model, "micro_batches": micro_batches, "tps": tps}
         job["threads"] = threads
+        job["precisions"] = precisions
         init = f"file://{Path(tmp) / 'rendezvous'}"
         mp.spawn(_links_worker, args=(world, init, job, str(out)), nprocs=world, join=True)
         res = json.loads(out.read_text())

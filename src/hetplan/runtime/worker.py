@@ -31,13 +31,13 @@ from hetplan.runtime.optim import PlanOptimizer
 from hetplan.runtime.pipeline import build_schedule, make_loss_fn, run_step
 from hetplan.runtime.precision import (
     LossScaler,
+    LowParams,
     autocast_dtype,
     set_matmul_precision,
     step_weights,
 )
 from hetplan.runtime.state import gather_unit, load_unit, restore_unit, save_unit
 from hetplan.runtime.teardown import leave_and_exit
-from hetplan.runtime.zero import low_precision_params
 
 log = logging.getLogger(__name__)
 
@@ -110,9 +110,9 @@ class Trainer:
         self.dropout_seed = cfg.seed * 1_000_003 + 7919 * place.replica + place.stage + 1
         self.params: list[LocalParam] = local_params(list(self.modules))
         self.scaler = LossScaler(plan.precision == "fp16")
-        # ZeRO-1/2 in bf16/fp16: 2-byte parameters with fp32 master shards (zero.py)
-        low_params = low_precision_params(self.layout, plan.zero_stage)
-        self.low = autocast_dtype(plan.precision) if low_params else None
+        # bf16/fp16: the modules run on 2-byte parameters, the optimizer steps fp32 masters
+        # (ZeRO-1/2: the shard's, zero.py; else whole, LowParams); ZeRO-3: FSDP's fp32
+        self.low = autocast_dtype(plan.precision) if plan.zero_stage != 3 else None
         self.opt = PlanOptimizer(
             self.params,
             self.sync,
@@ -130,7 +130,12 @@ class Trainer:
         # activations counted in the warm-up steps (at least the first): the timed ones
         # run without the meter's hooks
         hooked = max(cfg.warmup_steps, 1)
-        self.meter = MemoryMeter(self.device, [lp.param for lp in self.params], hooked)
+        self.low_params: LowParams | None = None
+        if self.low is not None:
+            rest = [lp.param for lp in self.params if id(lp.param) not in self.opt.bucket_of]
+            self.low_params = LowParams(list(self.modules), rest, self.low)
+        low_held = self.low_params.tensors() if self.low_params is not None else []
+        self.meter = MemoryMeter(self.device, [lp.param for lp in self.params] + low_held, hooked)
         self.step, self.position = 0, 0
         self.elastic: Any = None
         if cfg.local_dir:
@@ -141,6 +146,8 @@ class Trainer:
             self.elastic.restore()
         elif cfg.resume and cfg.checkpoint_dir:
             self._restore(Path(cfg.checkpoint_dir))
+        if self.low_params is not None:  # the masters as restored
+            self.low_params.refresh()
         if cfg.checkpoint_dir and self.elastic is None:
             if self.rank == 0:
                 for stale in ckpt.clean_staging(Path(cfg.checkpoint_dir)):
@@ -187,7 +194,10 @@ class Trainer:
         with self.meter.step(), step_weights():
             local = run_step(self.sched, place, inputs.to(self.device), targets.to(self.device))
         info = self.opt.step(self.step + 1)
+        if self.low_params is not None:
+            self.low_params.refresh()
         held = [lp.param for lp in self.params] + self.opt.state_tensors()
+        held += self.low_params.tensors() if self.low_params is not None else []
         self.meter.note_static(
             held + [p.grad for p in held[: len(self.params)] if p.grad is not None]
         )

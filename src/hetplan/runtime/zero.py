@@ -112,21 +112,6 @@ def buckets_of(layout: RuntimeLayout, sg: SyncGroup) -> list[tuple[str, ...]]:
     return [tuple(u for u in sg.units if key_of[u] == k) for k in keys]
 
 
-def low_precision_params(layout: RuntimeLayout, zero_stage: int) -> bool:
-    """Returns whether ZeRO keeps the parameters in the plan's low precision: ZeRO-1/2, and
-    every unit of every rank in a sharded sync group (so in a bucket with an fp32 master).
-    Otherwise no rank does (the same answer on every rank): a unit a single rank holds, or
-    one held at different TP degrees, stays an fp32 parameter under autocast, and a model
-    mixing fp32 and 2-byte parameters would hand fp32 activations to 2-byte norms (CPU
-    autocast leaves norms in the input's dtype). ZeRO-3's layers are FSDP's (fp32 shards)."""
-    if zero_stage not in (1, 2):
-        return False
-    covered = {(r, u) for g in layout.sync_groups if g.sharded for r in g.ranks for u in g.units}
-    return all(
-        (p.rank, u) in covered for p in layout.places for c in p.chunks for u in c.sync_units()
-    )
-
-
 class ZeroBucket:
     """One bucket's flat buffers, shard, AdamW and collectives on this rank."""
 
