@@ -243,3 +243,22 @@ def test_bf16_checkpoint_keeps_the_fp32_master(
     two = write_plan(tmp_path / "z2.json", DP3, zero_stage=2, precision="bf16")
     run_local(_cfg(two, bf, tmp_path / "z2", steps=3), timeout_s=300)
     assert max_relative_error(checkpoint_params(tmp_path / "z2"), want) <= 1e-5
+
+
+@pytest.mark.distributed
+def test_bf16_zero_stages_run_one_program(
+    tmp_path: Path, inputs: dict[str, Path], write_plan: Any
+) -> None:
+    """In bf16 every ZeRO stage runs the same mixed-precision program (2-byte parameters
+    and activations, fp32 masters, gradients and AdamW state): after 3 steps on 3 replicas
+    their fp32 masters agree to fp32 rounding (sums in another order). ZeRO-3's layers
+    gathered in fp32 under autocast instead kept the residual stream in fp32: a different
+    program, 1e-3 away."""
+    bf = _bf16_inputs(inputs, tmp_path)
+    got = {}
+    for stage in (0, 1, 2, 3):
+        plan = write_plan(tmp_path / f"z{stage}.json", DP3, zero_stage=stage, precision="bf16")
+        run_local(_cfg(plan, bf, tmp_path / f"c{stage}", steps=3), timeout_s=300)
+        got[stage] = checkpoint_params(tmp_path / f"c{stage}")
+    for stage in (1, 2, 3):
+        assert max_relative_error(got[stage], got[0]) <= 1e-5, stage

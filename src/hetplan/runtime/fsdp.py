@@ -50,11 +50,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
 
 from hetplan.runtime.layout import SyncGroup, layer_unit
-from hetplan.runtime.tp import ColumnParallelLinear, RowParallelLinear
 
 
 class GlooReduceScatter(DefaultReduceScatter):
@@ -80,10 +79,12 @@ def shard_layers(
     sync: list[tuple[SyncGroup, Any]],
     device: torch.device,
     deferred: bool = False,
+    low: torch.dtype | None = None,
 ) -> list[str]:
     """Applies fully_shard to every layer of ``modules`` held by more than one rank; returns
     the sharded units. ``deferred``: held gathered from the first forward to the last
-    backward (a multi-stage pipeline, see the module docstring)."""
+    backward (a multi-stage pipeline, see the module docstring). ``low``: the plan's low
+    precision (``shard_block``)."""
     by_unit = {u: pg for sg, pg in sync if sg.sharded for u in sg.units}
     meshes: dict[int, DeviceMesh] = {}
     done: list[str] = []
@@ -97,7 +98,7 @@ def shard_layers(
             mesh = meshes.get(id(pg))
             if mesh is None:
                 mesh = meshes[id(pg)] = DeviceMesh.from_group(pg, device.type)
-            shard_block(block, pg, device, mesh, reshard_after_forward=not deferred)
+            shard_block(block, pg, device, mesh, reshard_after_forward=not deferred, low=low)
             done.append(unit)
     return done
 
@@ -108,13 +109,15 @@ def shard_block(
     device: torch.device,
     mesh: Any = None,
     reshard_after_forward: bool = True,
+    low: torch.dtype | None = None,
 ) -> None:
-    """Shards one layer over ``pg`` as ZeRO-3 runs it (the profile times the same)."""
+    """Shards one layer over ``pg`` as ZeRO-3 runs it (the profile times the same). ``low``
+    (bf16, fp16): FSDP's mixed precision, as torchtitan runs it and the cost model prices
+    it: fp32 shards (the masters), the layer gathered in ``low`` (2 bytes a parameter
+    moved and held while it runs), gradients reduce-scattered and kept in fp32."""
     mesh = mesh or DeviceMesh.from_group(pg, device.type)
-    for m in block.modules():  # whole weights exist only while the layer runs: no step copy
-        if isinstance(m, (ColumnParallelLinear, RowParallelLinear)):
-            m.share_weights = False
-    fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    mp = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32 if low else None)
+    fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp)
     block.set_gradient_divide_factor(1.0)  # type: ignore[operator]
     block.set_force_sum_reduction_for_comms(True)  # type: ignore[operator]
     if dist.get_backend(pg) == "gloo":

@@ -19,7 +19,7 @@ from torch.utils.checkpoint import checkpoint
 
 from hetplan.model import ModelSpec
 from hetplan.runtime.layout import EMBED, HEAD, Chunk, layer_unit
-from hetplan.runtime.precision import autocast, linear
+from hetplan.runtime.precision import autocast
 from hetplan.runtime.tp import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -204,7 +204,8 @@ class Head(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Returns the logits."""
-        return linear(self.norm(x), self.out.weight)
+        out: torch.Tensor = self.out(self.norm(x))
+        return out
 
 
 class StageModel(nn.Module):

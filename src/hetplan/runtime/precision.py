@@ -6,12 +6,10 @@
   in bf16); the modules' parameters are bf16 and the optimizer steps fp32 masters (whole:
   ``LowParams``; under ZeRO-1/2 the shard's: ``zero.py``), gradients summed in fp32, as
   Megatron and the cost model's table; the loss is computed from fp32 logits. ZeRO-3
-  layers are FSDP's fp32 shards, run under autocast. Where fp32 parameters run under
-  autocast (ZeRO-3 plans), the linear layers take their low-precision weights from one
-  copy a step (``step_weights``, ``linear``; FSDP's layers cast in the forward and again
-  in the backward): under plain autocast each micro-batch in flight keeps its own copy
-  of every weight it used, saved for its backward (GPipe's m micro-batches: m copies of
-  the stage's weights), cast anew each micro-batch.
+  layers gather bf16 from fp32 shards (FSDP's mixed precision, ``fsdp.py``). No fp32
+  parameter runs under autocast: there each micro-batch in flight would keep its own bf16
+  copy of every weight it used, saved for its backward (GPipe's m micro-batches: m copies
+  of the stage's weights).
 - fp16: as bf16 with float16, plus dynamic loss scaling (Micikevicius et al. 2018): the
   loss is multiplied by a scale S before the backward; the gradients are divided by S
   before clipping and the step; a step whose gradients hold an inf or NaN on any rank is
@@ -26,7 +24,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -45,88 +42,6 @@ def autocast(precision: str, device: torch.device) -> Iterator[None]:
         return
     with torch.autocast(device.type, dtype=dtype):
         yield
-
-
-_STEP_WEIGHTS: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None
-"""Inside ``step_weights``: id(parameter) -> (parameter, its low-precision copy)."""
-
-
-@contextlib.contextmanager
-def step_weights() -> Iterator[None]:
-    """One training step's forwards and backwards: each weight is cast to the low precision
-    at its first use and the copy shared by every micro-batch (the weights change only in
-    the optimizer step after the block), then dropped. The low-precision weights a
-    Megatron stage keeps (2 bytes a parameter beside the fp32 master), cast once a step."""
-    global _STEP_WEIGHTS
-    outer, _STEP_WEIGHTS = _STEP_WEIGHTS, {}
-    try:
-        yield
-    finally:
-        _STEP_WEIGHTS = outer
-
-
-class _CastLinear(torch.autograd.Function):
-    """y = x W^T + b in ``dtype`` from fp32 parameters, keeping no copy of W per
-    micro-batch: it saves the step's shared copy ``low`` (``step_weights``), or else W
-    itself (the parameter: no new memory), cast again in the backward. The same products as
-    autocast's linear: x, W and b cast to ``dtype``, grad_x = g W, grad_W = g^T x and
-    grad_b = sum g in ``dtype``, each gradient cast back to the dtype of its input."""
-
-    @staticmethod
-    def forward(
-        ctx: Any,
-        x: torch.Tensor,
-        weight: torch.Tensor,
-        bias: torch.Tensor | None,
-        dtype: torch.dtype,
-        low: torch.Tensor | None,
-    ) -> torch.Tensor:
-        xl = x.to(dtype)
-        ctx.save_for_backward(xl, weight if low is None else low)
-        ctx.dtype, ctx.x_dtype, ctx.w_dtype = dtype, x.dtype, weight.dtype
-        ctx.bias_dtype = None if bias is None else bias.dtype
-        with torch.autocast(x.device.type, enabled=False):
-            b = None if bias is None else bias.to(dtype)
-            return F.linear(xl, weight.to(dtype) if low is None else low, b)
-
-    @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
-        xl, w = ctx.saved_tensors
-        g = grads[0].to(ctx.dtype)
-        gx = gw = gb = None
-        with torch.autocast(g.device.type, enabled=False):
-            if ctx.needs_input_grad[0]:
-                gx = (g @ w.to(ctx.dtype)).to(ctx.x_dtype)
-            g2 = g.reshape(-1, g.shape[-1])
-            if ctx.needs_input_grad[1]:
-                gw = (g2.t() @ xl.reshape(-1, xl.shape[-1])).to(ctx.w_dtype)
-            if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
-                gb = g2.sum(0).to(ctx.bias_dtype)
-        return gx, gw, gb, None, None
-
-
-def linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, share: bool = True
-) -> torch.Tensor:
-    """``F.linear`` that, under autocast with gradients on, keeps no copy of the weight per
-    micro-batch in flight (``_CastLinear``): inside ``step_weights`` one copy a step shared
-    by all (``share``; FSDP-sharded layers say False, whose weights exist whole only while
-    they run), else a cast in the forward and again in the backward. Plain ``F.linear``
-    otherwise."""
-    kind = x.device.type
-    if not (torch.is_grad_enabled() and torch.is_autocast_enabled(kind)):
-        return F.linear(x, weight, bias)
-    dtype = torch.get_autocast_dtype(kind)
-    if weight.dtype == dtype or not weight.requires_grad:
-        return F.linear(x, weight, bias)
-    low = None
-    if share and _STEP_WEIGHTS is not None:
-        hit = _STEP_WEIGHTS.get(id(weight))
-        if hit is None or hit[0] is not weight:
-            hit = _STEP_WEIGHTS[id(weight)] = (weight, weight.detach().to(dtype))
-        low = hit[1]
-    out: torch.Tensor = _CastLinear.apply(x, weight, bias, dtype, low)
-    return out
 
 
 class LowParams:

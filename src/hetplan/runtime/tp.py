@@ -11,8 +11,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from hetplan.runtime.precision import linear
-
 
 class _CopyToGroup(torch.autograd.Function):
     """Identity forward; all-reduce of the gradient backward (input of column-parallel)."""
@@ -180,14 +178,13 @@ class ColumnParallelLinear(nn.Module):
         self.group = group
         self.weight = nn.Parameter(torch.empty(out_f // tp, in_f))
         self.bias = nn.Parameter(torch.empty(out_f // tp)) if bias else None
-        self.share_weights = True  # precision.linear's step copy (False under FSDP)
 
     def forward(self, x: torch.Tensor, gathered: bool = False) -> torch.Tensor:
         """Returns this rank's slice of the output (``gathered``: x is already the output
         of ``gather_for_tp``)."""
         if not gathered:
             x = copy_to_group(x, self.group)
-        return linear(x, self.weight, self.bias, self.share_weights)
+        return nn.functional.linear(x, self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Module):
@@ -202,12 +199,11 @@ class RowParallelLinear(nn.Module):
         self.group, self.seq_par = group, seq_par
         self.weight = nn.Parameter(torch.empty(out_f, in_f // tp))
         self.bias = nn.Parameter(torch.empty(out_f)) if bias else None
-        self.share_weights = True  # precision.linear's step copy (False under FSDP)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Returns the full output from this rank's slice of the input (sequence parallel:
         this rank's sequence slice of it)."""
-        y = linear(x, self.weight, share=self.share_weights)
+        y = nn.functional.linear(x, self.weight)
         if self.group is not None and self.seq_par:
             out: torch.Tensor = _ReduceScatterFromTP.apply(y, self.group)
             y = out

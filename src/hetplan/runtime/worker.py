@@ -23,6 +23,7 @@ from hetplan.plan import load_plan
 from hetplan.runtime import checkpoint as ckpt
 from hetplan.runtime.config import RunConfig
 from hetplan.runtime.data import TokenSource
+from hetplan.runtime.fsdp import is_sharded
 from hetplan.runtime.grad_sync import LocalParam, local_params
 from hetplan.runtime.layout import EMBED, HEAD, RuntimeLayout, build_layout, device_order
 from hetplan.runtime.memory_meter import MemoryMeter
@@ -34,7 +35,6 @@ from hetplan.runtime.precision import (
     LowParams,
     autocast_dtype,
     set_matmul_precision,
-    step_weights,
 )
 from hetplan.runtime.state import gather_unit, load_unit, restore_unit, save_unit
 from hetplan.runtime.teardown import leave_and_exit
@@ -99,20 +99,20 @@ class Trainer:
 
             load_init(self.modules, init, self.model, place.tp, place.tp_index)
         self.modules = [m.to(self.device) for m in self.modules]
+        # bf16/fp16: the modules run on 2-byte parameters, the optimizer steps fp32 masters
+        # (ZeRO-1/2: the shard's, zero.py; ZeRO-3 layers: FSDP's shards; else whole)
+        self.low = autocast_dtype(plan.precision)
         if plan.zero_stage == 3:
             from hetplan.runtime.fsdp import shard_layers
 
             # with a multi-stage pipeline: gathered once, synced at the last backward
-            shard_layers(list(self.modules), self.sync, self.device, deferred_sync(plan))
+            shard_layers(list(self.modules), self.sync, self.device, deferred_sync(plan), self.low)
         # dropout masks: equal on a stage's TP ranks (they hold the same activations), and
         # drawn afresh each step from (seed, replica, stage, step), so a resumed run draws
         # the masks the uninterrupted run drew (``train_step``)
         self.dropout_seed = cfg.seed * 1_000_003 + 7919 * place.replica + place.stage + 1
         self.params: list[LocalParam] = local_params(list(self.modules))
         self.scaler = LossScaler(plan.precision == "fp16")
-        # bf16/fp16: the modules run on 2-byte parameters, the optimizer steps fp32 masters
-        # (ZeRO-1/2: the shard's, zero.py; else whole, LowParams); ZeRO-3: FSDP's fp32
-        self.low = autocast_dtype(plan.precision) if plan.zero_stage != 3 else None
         self.opt = PlanOptimizer(
             self.params,
             self.sync,
@@ -132,7 +132,11 @@ class Trainer:
         hooked = max(cfg.warmup_steps, 1)
         self.low_params: LowParams | None = None
         if self.low is not None:
-            rest = [lp.param for lp in self.params if id(lp.param) not in self.opt.bucket_of]
+            rest = [
+                lp.param
+                for lp in self.params
+                if id(lp.param) not in self.opt.bucket_of and not is_sharded(lp.param)
+            ]
             self.low_params = LowParams(list(self.modules), rest, self.low)
         low_held = self.low_params.tensors() if self.low_params is not None else []
         self.meter = MemoryMeter(self.device, [lp.param for lp in self.params] + low_held, hooked)
@@ -191,7 +195,7 @@ class Trainer:
         self.opt.zero_grad()
         scale = self.scaler.scale
         torch.manual_seed(self.dropout_seed + 104_729 * self.step)
-        with self.meter.step(), step_weights():
+        with self.meter.step():
             local = run_step(self.sched, place, inputs.to(self.device), targets.to(self.device))
         info = self.opt.step(self.step + 1)
         if self.low_params is not None:
