@@ -25,11 +25,14 @@ def test_state_bytes_match_megatron_table(precision, plain_bytes, dist_fixed, di
 
 
 def test_state_bytes_fp16_split_and_zero():
-    """fp16 with fp32 grads: grads sharded at ZeRO-2, Adam states at ZeRO-1, weights at 3."""
+    """fp16 with fp32 grads: grads sharded at ZeRO-2, Adam states at ZeRO-1. ZeRO-3 keeps
+    fp32 weight shards that are the masters (FSDP): 4/4 + 4/4 + 8/4 bytes, the ZeRO paper's
+    16/N_d for stage 3 at N_d = 4, where a 2-byte shard beside a master would be 18/4."""
     assert state_bytes(1e9, "fp16", 0, 4) == (2e9, 4e9, 12e9)
     assert state_bytes(1e9, "fp16", 1, 4) == (2e9, 4e9, 3e9)
     assert state_bytes(1e9, "fp16", 2, 4) == (2e9, 1e9, 3e9)
-    assert state_bytes(1e9, "fp16", 3, 4) == (0.5e9, 1e9, 3e9)
+    assert state_bytes(1e9, "fp16", 3, 4) == (1e9, 1e9, 2e9)
+    assert sum(state_bytes(1e9, "bf16", 3, 8)) == pytest.approx(16e9 / 8)
 
 
 def test_layer_activation_bytes_korthikanti():
@@ -118,8 +121,9 @@ def test_zero3_keeps_embedding_and_head_whole_with_zero1_state():
     """ZeRO-3 shards the transformer layers; the embedding and head stay whole with their
     optimizer state sharded (ZeRO-1), as the runtime holds them. By hand, GPT-2 medium
     (tied) on one stage, bf16, 4 replicas: layers 24 x 12,596,224 params at
-    (2 + 4 + 12) / 4 = 4.5 B, table and positions 52,256 x 1024 + 1024 x 1024 and the final
-    norm 2 x 1024 at 2 + 4 + 12 / 4 = 9 B, plus two gathered layers (2 x 2 B x layer)."""
+    (4 + 4 + 8) / 4 = 4 B (fp32 weight shards that are the masters, FSDP's), table and
+    positions 52,256 x 1024 + 1024 x 1024 and the final norm 2 x 1024 at 2 + 4 + 12 / 4 =
+    9 B, plus two gathered layers (2 x 2 B x layer)."""
     from hetplan.cluster import parse_inline_cluster
     from hetplan.cost.estimate import estimate
     from hetplan.search.layout import uniform_plan
@@ -127,7 +131,7 @@ def test_zero3_keeps_embedding_and_head_whole_with_zero1_state():
     layer = 12 * 1024 * 1024 + 13 * 1024  # attention + MLP weights, biases, two norms
     assert layer == GPT.layer_params()
     edge = 52256 * 1024 + 1024 * 1024 + 2 * 1024
-    hand = 24 * layer * 4.5 + edge * 9.0 + 2 * layer * 2
+    hand = 24 * layer * 4.0 + edge * 9.0 + 2 * layer * 2
     cl = parse_inline_cluster("A100-80GB:1x4")
     plan = uniform_plan(cl, GPT.layers, 1, 1, 4, 1, 8, precision="bf16", zero_stage=3)
     mem = estimate(plan, GPT, cl, default_params()).stages[0].memory

@@ -58,13 +58,15 @@ def test_pipelined_zero_2_3_never_beat_zero_1(zero):
 
 
 def test_unpipelined_zero_3_still_shards_per_micro_batch():
-    # without pipelining, ZeRO-3 keeps its FSDP pricing: a parameter shard (2 / dp bytes a
-    # parameter instead of 2) and per-micro-batch collectives
+    # without pipelining, ZeRO-3 keeps its FSDP pricing: every state sharded (16 / dp bytes
+    # a parameter instead of ZeRO-1's 6 + 12 / dp) and per-micro-batch collectives
     cluster = parse_inline_cluster("A100-80GB:1x4")
     one = estimate(_pp2_dp2(1, pp=1), MODEL, cluster)
     three = estimate(_pp2_dp2(3, pp=1), MODEL, cluster)
     assert three.breakdown["sharded_dp_comm_s"] > 0
-    assert three.distinct_stages[0].memory.weights < one.distinct_stages[0].memory.weights
+    m1, m3 = one.distinct_stages[0].memory, three.distinct_stages[0].memory
+    assert m3.grads < m1.grads and m3.optimizer < m1.optimizer
+    assert m3.weights + m3.grads + m3.optimizer < m1.weights + m1.grads + m1.optimizer
 
 
 def test_the_heterogeneous_search_leaves_them_out_too():

@@ -85,7 +85,12 @@ def state_bytes(
     # fp32 16 / 8 + 8/d. 16-bit params use fp32 grads (18): the SC'21 fp16 runs fit in
     # 80 GB only so (GPT 1T needs 80.6 GB at 20); the 20-byte fp16-grads variant needs a
     # per-plan framework flag (plan/estimate), not added here.
-    if element_bytes(precision) == 4:  # fp32 and tf32 store fp32 weights: no master copy
+    if element_bytes(precision) == 4 or zero_stage >= 3:
+        # fp32 and tf32 store fp32 weights: no master copy. ZeRO-3 too in every precision:
+        # FSDP's fp32 shard is the master, gathered in the low precision only while a layer
+        # runs (zero3_working_bytes); 16/d in all, the ZeRO paper's (2 + 2 + 12)/N_d for
+        # stage 3 (Rajbhandari et al. 2020, Fig. 1), which DeepSpeed splits as 2-byte weight
+        # and gradient shards beside the 12 of the optimizer
         weights, model_grads, main_grads, opt = 4.0, 4.0, 0.0, 8.0
     else:
         weights, model_grads, main_grads, opt = 2.0, 4.0, 0.0, 12.0
