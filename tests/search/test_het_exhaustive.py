@@ -219,3 +219,15 @@ def test_first_plan_is_the_exhaustive_best(layers, hidden, seq, spec, batch):
     again = estimate(got, model, cluster, params)
     assert again.fits
     assert again.iteration_time_s <= want.time_s * (1 + TOL), (got, want.plan)
+    # a ceiling a hair above the best keeps it (the bounds it prunes by are true); a hair
+    # below, the search proves that nothing beats it, estimating no more plans on the way
+    t0 = res.ranked[0][1].iteration_time_s
+    above = search_heterogeneous(
+        model, cluster, batch, "fp16", 1, params, ceiling_s=t0 * (1 + 1e-6)
+    )
+    assert above.proven and above.ranked[0][1].iteration_time_s == pytest.approx(t0, rel=1e-12)
+    below = search_heterogeneous(
+        model, cluster, batch, "fp16", 1, params, ceiling_s=t0 * (1 - 1e-6)
+    )
+    assert all(est.iteration_time_s >= t0 * (1 - 1e-6) for _, est in below.ranked)
+    assert below.evaluated <= res.evaluated

@@ -77,6 +77,9 @@ class CandidatePool:
     """Told after every estimate (candidates estimated, best so far)."""
     shared: SearchCache | None = None
     """Caches shared with other searches of the model (``het_cache``), or None."""
+    ceiling_s: float = math.inf
+    """Only plans faster than this are wanted (the caller has better ones): no candidate
+    whose lower bound reaches it is explored, as if a plan that fast were already found."""
 
     # ---------------------------------------------------------------- knob domains
     @property
@@ -113,7 +116,7 @@ class CandidatePool:
     @property
     def cutoff_s(self) -> float:
         """Returns the time a lower bound must beat to be explored."""
-        return self.best_s if self.prune else math.inf
+        return min(self.best_s, self.ceiling_s) if self.prune else math.inf
 
     @property
     def kth_s(self) -> float:

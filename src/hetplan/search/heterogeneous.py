@@ -86,12 +86,16 @@ def search_heterogeneous(
     constraints: PlanConstraints | None = None,
     progress: ProgressHook | None = None,
     cache: SearchCache | None = None,
+    ceiling_s: float = math.inf,
 ) -> HeteroResult:
     """Returns the top-k plans on a mixed cluster, best first, with both baselines (only
     plans the constraints allow); ``progress`` is told after every estimate; ``cache``:
-    work shared with other searches of the model (``het_cache``; the same answer)."""
+    work shared with other searches of the model (``het_cache``; the same answer);
+    ``ceiling_s``: only plans faster than this are sought (the caller has better ones): the
+    top-k of those, and none where the bounds prove that none is."""
     return search_with(model, cluster, global_batch, precision, top_k, params, flash_attention,
-                       constraints=constraints, progress=progress, cache=cache)  # fmt: skip
+                       constraints=constraints, progress=progress, cache=cache,
+                       ceiling_s=ceiling_s)  # fmt: skip
 
 
 def search_with(
@@ -107,6 +111,7 @@ def search_with(
     constraints: PlanConstraints | None = None,
     progress: ProgressHook | None = None,
     cache: SearchCache | None = None,
+    ceiling_s: float = math.inf,
 ) -> HeteroResult:
     """Returns what ``search_heterogeneous`` does; ``prune=False`` turns off every bound
     (to check that pruning loses nothing); ``enumerate_budget=0`` skips the enumeration."""
@@ -147,6 +152,7 @@ def search_with(
         model, cluster, classes, global_batch, precision, params, flash_attention, top_k
     )
     state.prune = prune
+    state.ceiling_s = ceiling_s
     state.constraints = constraints
     state.progress = progress
     if cache is not None:
@@ -165,7 +171,7 @@ def search_with(
                 "the space is too large to enumerate: the first plan is the best of those the "
                 "pipeline-selection MILP generated, not proven the best of all"
             )
-    state.drain(state.kth_s if prune else math.inf)
+    state.drain(min(state.kth_s, ceiling_s) if prune else math.inf)
     pool = sorted(state.pool, key=lambda x: (x[0], x[1]))
     if not pool:
         notes.append("no plan fits in memory (try a smaller micro-batch or more GPUs)")

@@ -6,6 +6,7 @@ with the heterogeneous search until every mix is planned or pruned (``explore_mi
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 
@@ -22,6 +23,7 @@ from hetplan.search.provision_points import (
     Unexplored,
     closest_to_front,
     count_reason,
+    dominated_from_s,
     front_cost,
     iterations,
     offer_floor,
@@ -147,8 +149,11 @@ def explore_mixes(
     (numpy). Until none is left, the configurations the points found so far dominate at
     their bounds are pruned, and the live one closest to the front (smallest ratio of its
     cost bound to the front's cost at its time bound; beyond the front's fast end first) is
-    planned with the heterogeneous search. Nothing is left unexplored, unless ``job.stop_at``
-    passes (checked before each mix): the live mixes are then returned with their bounds."""
+    planned with the heterogeneous search, which looks only for plans faster than the time
+    from which the points found dominate the mix (``dominated_from_s`` over the iterations
+    and the mix's least slowdown: its ``ceiling_s``), so that its bounds cut the rest.
+    Nothing is left unexplored, unless ``job.stop_at`` passes (checked before each mix): the
+    live mixes are then returned with their bounds."""
     from hetplan.search.het_cache import SearchCache
     from hetplan.search.heterogeneous import search_heterogeneous
 
@@ -180,10 +185,20 @@ def explore_mixes(
         a, b = pairs[int(grid.pair[q])]
         na, nb = int(grid.na[q]), int(grid.nb[q])
         cluster = job.limits.apply_to_cluster(mix_cluster(a, na, b, nb, job.pricing))
+        # a plan slower than this adds nothing: the points found dominate it (its iteration
+        # time x its slowdown, at least the mix's floor; a hair above, so rounding never
+        # cuts a plan)
+        cut = math.inf
+        if prune:
+            cut = (dominated_from_s(float(grid.usd_hour[q]), points) / iterations(job)
+                   / float(grid.slow[q]) * (1 + 1e-9))  # fmt: skip
 
-        def ranked_by(k: int, cluster: Cluster = cluster) -> list[tuple[Plan, Estimate]]:
+        def ranked_by(
+            k: int, cluster: Cluster = cluster, cut: float = cut
+        ) -> list[tuple[Plan, Estimate]]:
             return search_heterogeneous(model, cluster, global_batch, precision, k, params,
-                                        flash, job.limits, cache=cache).ranked  # fmt: skip
+                                        flash, job.limits, cache=cache,
+                                        ceiling_s=cut).ranked  # fmt: skip
 
         load = None  # on spot, the plan's own checkpoint time (its largest node's state)
         if spot:
