@@ -24,6 +24,8 @@ TP2_TWICE = [(4, [(4, [0, 1])]), (4, [(4, [2, 3])])]
 DP2 = [(4, [(4, [0])]), (4, [(4, [1])])]
 SPLITS_1_3_AND_3_1 = [(4, [(1, [0]), (3, [1])]), (4, [(3, [2]), (1, [3])])]
 DP2_UNEVEN = [(2, [(4, [0])]), (6, [(4, [1])])]
+TP2_PP2 = [(4, [(2, [0, 1]), (2, [2, 3])])]
+TP2_PP2_FOUR = [(8, [(2, [0, 1]), (2, [2, 3])])]
 
 CASES = [
     (
@@ -50,6 +52,19 @@ CASES = [
         "llama",
         TP2_BESIDE_PP2,
         {"recompute": "selective", "sequence_parallel": True, "flash_attention": False},
+    ),
+    # stages of TP 2 pass sequence slices (runtime/tp.py sends_slices)
+    ("tp2 x pp2", "llama", TP2_PP2, {}),
+    (
+        "tp2 x pp2 interleaved, sequence parallel, full recompute",
+        "gpt",
+        TP2_PP2_FOUR,
+        {
+            "sequence_parallel": True,
+            "schedule": "Interleaved1F1B",
+            "virtual_stages": 2,
+            "recompute": "full",
+        },
     ),
     (
         "zero2, sequence parallel, tp2 x 2",
@@ -139,3 +154,24 @@ def test_low_precision_follows_fp32_curve(
     assert max(abs(a - b) for a, b in zip(losses, ref_losses, strict=True)) > 1e-5
     if precision == "fp16":
         assert not any(s["skipped"] for s in record["steps"])  # 2^16 fits these gradients
+
+
+def test_stages_pass_sequence_slices_at_tp_above_one() -> None:
+    """Between stages of TP t each rank sends b x (s / t) x h activations, the 1/t of the
+    activation the cost model prices per send; where t does not divide s, all of it."""
+    from hetplan.model import ModelSpec
+    from hetplan.runtime.layout import Chunk
+    from hetplan.runtime.pipeline import _examples
+
+    spec = ModelSpec("tiny", "gpt", 4, 32, 4, 4, 128, 64, 16)
+    middle = Chunk(1, 1, 3, False, False)
+    x, y = _examples(middle, spec, 2, "fp32", tp=2)
+    assert tuple(x.shape) == (2, 8, 32) and tuple(y.shape) == (2, 8, 32)
+    x, y = _examples(middle, spec, 2, "fp32", tp=1)
+    assert tuple(x.shape) == (2, 16, 32) and tuple(y.shape) == (2, 16, 32)
+    x, _ = _examples(middle, spec, 2, "fp32", tp=3)
+    assert tuple(x.shape) == (2, 16, 32)
+    # the first stage takes token ids whole, the last gives whole logits
+    first, last = Chunk(0, 0, 2, True, False), Chunk(1, 2, 4, False, True)
+    assert tuple(_examples(first, spec, 2, "fp32", tp=2)[0].shape) == (2, 16)
+    assert tuple(_examples(last, spec, 2, "fp32", tp=2)[1].shape) == (2, 16, 64)

@@ -26,6 +26,7 @@ from hetplan.runtime.tp import (
     gather_for_tp,
     gather_from_seq,
     scatter_to_seq,
+    sends_slices,
 )
 
 INIT_STD = 0.02
@@ -223,6 +224,7 @@ class StageModel(nn.Module):
         super().__init__()
         self.chunk, self.group = chunk, group
         self.feat = feat = feat or Features()
+        self.split_io = group is not None and sends_slices(spec.seq, tp)
         self.embed = Embed(spec) if chunk.embed else None
         self.drop = nn.Dropout(feat.dropout)
         self.layers = nn.ModuleDict(
@@ -234,22 +236,32 @@ class StageModel(nn.Module):
             self.head.out.weight = self.embed.tok.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Returns this chunk's output: activations, or logits for the last chunk."""
+        """Returns this chunk's output: activations, or logits for the last chunk. Between
+        stages of TP > 1 the activations are this rank's sequence slice (``sends_slices``):
+        the input arrives as one, the output leaves as one."""
         with autocast(self.feat.precision, x.device):
+            sliced = self.embed is None and self.split_io
             if self.embed is not None:
                 x = self.drop(self.embed(x))
-            seq_par = self.feat.sequence_parallel and self.group is not None
-            seq_par = seq_par and len(self.layers) > 0
-            if seq_par:
-                x = scatter_to_seq(x, self.group)
-            full = self.feat.recompute == "full" and torch.is_grad_enabled()
-            for layer in self.layers.values():
-                x = checkpoint(layer, x, use_reentrant=False) if full else layer(x)
-            if seq_par:
-                x = gather_from_seq(x, self.group)
+            if self.layers:  # sequence parallel layers take and give slices
+                seq_par = self.feat.sequence_parallel and self.group is not None
+                x, sliced = self._as_slice(x, sliced, seq_par), seq_par
+                full = self.feat.recompute == "full" and torch.is_grad_enabled()
+                for layer in self.layers.values():
+                    x = checkpoint(layer, x, use_reentrant=False) if full else layer(x)
             if self.head is not None:
-                x = self.head(x)
+                x = self.head(self._as_slice(x, sliced, False))
+            else:
+                x = self._as_slice(x, sliced, self.split_io)
         return x
+
+    def _as_slice(self, x: torch.Tensor, sliced: bool, want: bool) -> torch.Tensor:
+        """Returns ``x`` (this rank's sequence slice if ``sliced``, else the whole sequence)
+        as a slice if ``want``, else whole: slicing a replicated tensor gathers the
+        gradients' slices in backward, gathering keeps this rank's slice of them."""
+        if sliced == want:
+            return x
+        return scatter_to_seq(x, self.group) if want else gather_from_seq(x, self.group)
 
 
 def full_model(spec: ModelSpec, seed: int, feat: Features | None = None) -> StageModel:

@@ -18,6 +18,7 @@ from torch.nn import functional as F
 from hetplan.model import ModelSpec
 from hetplan.runtime.layout import Chunk, RankPlace
 from hetplan.runtime.precision import LossScaler
+from hetplan.runtime.tp import sends_slices
 
 
 def make_loss_fn(
@@ -41,25 +42,28 @@ def _examples(
     micro_batch: int,
     precision: str,
     act_dtype: torch.dtype = torch.float32,
+    tp: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns meta tensors shaped as a chunk's input and output for one micro-batch: token
     ids or activations in; activations or logits out (in the autocast dtype, as the head's
     linear layer gives them under bf16 or fp16). Activations are ``act_dtype``: fp32 where
     the parameters are (autocast keeps the residual stream in fp32: ZeRO-3 plans), the low
     precision where the modules run on low-precision parameters (``precision.LowParams``,
-    ``zero.py``), as Megatron sends them."""
+    ``zero.py``), as Megatron sends them; at TP ``tp`` > 1, this rank's sequence slice
+    (``tp.sends_slices``)."""
     meta = torch.device("meta")
     b, s = micro_batch, spec.seq
+    sent = s // tp if sends_slices(s, tp) else s
     if chunk.stage_index == 0:
         x = torch.empty(b, s, dtype=torch.int64, device=meta)
     else:
-        x = torch.empty(b, s, spec.hidden, dtype=act_dtype, device=meta, requires_grad=True)
+        x = torch.empty(b, sent, spec.hidden, dtype=act_dtype, device=meta, requires_grad=True)
     if chunk.head:
         low = {"bf16": torch.bfloat16, "fp16": torch.float16}
         dtype = low.get(precision, torch.float32)
         y = torch.empty(b, s, spec.vocab, dtype=dtype, device=meta, requires_grad=True)
     else:
-        y = torch.empty(b, s, spec.hidden, dtype=act_dtype, device=meta, requires_grad=True)
+        y = torch.empty(b, sent, spec.hidden, dtype=act_dtype, device=meta, requires_grad=True)
     return x, y
 
 
@@ -106,7 +110,7 @@ def build_schedule(
     stages: list[Any] = []
     stage_cls = DeferredStage if deferred_zero3 else PipelineStage
     for m, c in zip(modules, place.chunks, strict=True):
-        x, y = _examples(c, spec, mb, precision, act_dtype)
+        x, y = _examples(c, spec, mb, precision, act_dtype, place.tp)
         stages.append(
             stage_cls(
                 m,

@@ -157,6 +157,16 @@ def gather_from_seq(x: torch.Tensor, group: Any) -> torch.Tensor:
     return out
 
 
+def sends_slices(seq: int, tp: int) -> bool:
+    """Returns whether stages of TP degree ``tp`` pass activations to the next stage as
+    sequence slices: tensor-parallel rank i sends only its 1/tp of the sequence to rank i
+    of the next stage, which gathers the whole over its group where it needs it (Megatron's
+    scatter/gather between stages; with sequence parallelism the slice is what the layers
+    hold anyway). The cost model prices a send at 1/tp of the activation
+    (``cost/estimate.py``). Where tp does not divide the sequence, every rank sends all."""
+    return tp > 1 and seq % tp == 0
+
+
 def gather_for_tp(x: torch.Tensor, group: Any, sequence_parallel: bool) -> torch.Tensor:
     """Returns the input of column-parallel linears: the gathered sequence (sequence
     parallel) or ``x`` whose gradient is summed over the group."""
