@@ -44,9 +44,12 @@ def _plan(path: Path, precision: str) -> Path:
 def test_bf16_profile_is_stored_and_used(tmp_path: Path, inputs: dict[str, Path]) -> None:
     model = load_model(str(inputs["gpt"]))
     db = ProfileDB(tmp_path / "p.sqlite")
+    rates: dict[str, float] = {}
     records = profile_model(
-        db, "cpu", model, [2], [1], torch.device("cpu"), reps=1, precisions=("fp32", "bf16")
-    )
+        db, "cpu", model, [2], [1], torch.device("cpu"), reps=1, precisions=("fp32", "bf16"),
+        rates=rates,
+    )  # fmt: skip
+    assert set(rates) == {"fp32", "bf16"} and all(r > 0 for r in rates.values())
     by = {r.precision: r for r in records}
     assert set(by) == {"fp32", "bf16"}
     # bf16 runs on 2-byte parameters and activations: what a layer saves for its backward
@@ -73,3 +76,21 @@ def test_unknown_precision_is_a_usage_error(inputs: dict[str, Path]) -> None:
     assert out.returncode == 2
     assert "--precision" in out.stderr and "fp64" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_cluster_entry_hint_gives_the_measured_low_precision_rate() -> None:
+    """The entry ``profile`` prints is a valid cluster-file GPU type carrying the bf16 rate
+    it measured, never the fp32 figure under the fp16 name; without a low-precision
+    measurement it says what to run instead."""
+    import yaml
+
+    from hetplan.hardware import gpu_from_mapping
+    from hetplan.runtime.cli import cluster_entry_hint
+
+    text = cluster_entry_hint("cpu", (0.25, 12.0), {"fp32": 0.25, "bf16": 0.125})
+    entry = yaml.safe_load(text.removeprefix("cluster file entry: "))["gpu_types"]["cpu"]
+    gpu = gpu_from_mapping("cpu", entry, "gpu_types.cpu")
+    assert gpu.fp32_flops == pytest.approx(0.25e12) and gpu.fp16_flops == pytest.approx(0.125e12)
+    assert gpu.bf16_flops == pytest.approx(0.125e12) and "fp16_tflops" not in entry
+    bare = cluster_entry_hint("cpu", (0.25, 12.0), {"fp32": 0.25})
+    assert "fp16_tflops" not in bare.splitlines()[0] and "--precision" in bare.splitlines()[1]

@@ -338,8 +338,9 @@ def profile(
     store = ProfileDB(db)
     if links and dev.type != "cpu":
         raise InputError("--links", "the link measurement runs on the CPU (gloo) only")
+    rates: dict[str, float] = {}
     records = profile_model(
-        store, label, spec, mbs, tps, dev, reps, links=links, precisions=precisions
+        store, label, spec, mbs, tps, dev, reps, links=links, precisions=precisions, rates=rates
     )
     figures = store.device_figures(label)
     if as_json:
@@ -372,11 +373,23 @@ def profile(
     console = Console()
     console.print(table)
     if figures:
-        console.print(
-            f"cluster file entry: gpu_types: {{{label}: {{fp32_tflops: {figures[0]:.3f}, "
-            f"fp16_tflops: {figures[0]:.3f}, hbm_gbyte_per_s: {figures[1]:.1f}, memory_gb: 16}}}}",
-            highlight=False,
-        )
+        console.print(cluster_entry_hint(label, figures, rates), highlight=False)
+
+
+def cluster_entry_hint(label: str, figures: tuple[float, float], rates: dict[str, float]) -> str:
+    """Returns the ``gpu_types`` entry a cluster file can take from a profile: the fp32
+    matmul rate and memory bandwidth measured, and each low precision's matmul rate where
+    it was profiled (``--precision``). A cluster file needs an fp16 or bf16 rate: where
+    neither was measured the entry says so rather than repeat the fp32 figure."""
+    keys = {"tf32": "tf32_tflops", "bf16": "bf16_tflops", "fp16": "fp16_tflops"}
+    parts = [f"fp32_tflops: {figures[0]:.3f}"]
+    parts += [f"{keys[p]}: {rates[p]:.3f}" for p in ("tf32", "bf16", "fp16") if p in rates]
+    parts += [f"hbm_gbyte_per_s: {figures[1]:.1f}", "memory_gb: 16"]
+    text = f"cluster file entry: gpu_types: {{{label}: {{{', '.join(parts)}}}}}"
+    if "bf16" not in rates and "fp16" not in rates:
+        text += ("\nadd fp16_tflops or bf16_tflops, which this profile did not measure: "
+                 "run it with --precision fp32,bf16 (or fp16) to measure them")  # fmt: skip
+    return text
 
 
 def _ints(text: str, field: str) -> list[int]:

@@ -243,9 +243,11 @@ def profile_model(
     reps: int = 5,
     links: bool = False,
     precisions: tuple[str, ...] = ("fp32",),
+    rates: dict[str, float] | None = None,
 ) -> list[LayerRecord]:
     """Profiles one layer, the embedding, head and optimizer of ``model`` for each (TP,
-    micro-batch) in each of ``precisions`` and stores the results.
+    micro-batch) in each of ``precisions`` and stores the results; ``rates``, if given,
+    receives each precision's measured matmul TFLOP/s.
 
     With ``links`` (CPU only) everything is measured in several local processes at once, as
     a run's ranks share this machine, together with the backend's collectives.
@@ -263,6 +265,8 @@ def profile_model(
         res = measure_compute(model, micro_batches, tps, device, reps, precisions)
     tflops, gbps = res["device"]
     db.put_device(device_name, tflops, gbps, threads)
+    if rates is not None:
+        rates.update(res.get("matmul_tflops", {}))
     out = []
     for prec, comp in res["compute"].items():
         for mb in micro_batches:
