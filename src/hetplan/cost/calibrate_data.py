@@ -87,5 +87,6 @@ def shipped_files() -> list[Path]:
         "sharded_dp_published.csv",
         "bloom_published.csv",
         "nemo_gpt3_175b_published.csv",
+        "megatron_v100_published.csv",
     )
     return [root / name for name in names]

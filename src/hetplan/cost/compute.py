@@ -102,24 +102,31 @@ def layer_times(
     )
     heads_local = micro_batch * a / tp
     attn_gemm = attention_gemm_s(eff, peak, s, s, dh, heads_local, flash_attention)
-    # elementwise traffic (bytes), forward: norms, residuals, activation, dropout, rope
+    # elementwise traffic (bytes) per kernel, forward and backward: norms, residuals,
+    # activation, dropout, biases, rope; a backward kernel reads what its forward saved and
+    # the incoming gradient and writes the outgoing one
     drop = 1.0 if model.dropout else 0.0
-    # the region every TP rank repeats on the whole sequence (without sequence parallelism)
-    replicated = tokens * h * e * (2 * 2 + 2 * 3)  # two norms (r+w), two residual adds (2r+w)
-    replicated += tokens * h * drop * 3 * (2 * e + 1)  # three dropouts: read, write, mask
-    elem = 0.0
-    if model.gated:
-        elem += tokens * f / tp * e * 3  # silu(gate) * up: two reads, one write
-    else:
-        elem += tokens * f / tp * e * 2  # bias + gelu: read, write
-    if not model.gated:
-        elem += tokens * (h + 2 * kv) / tp * e * 2  # qkv bias
-    else:
-        elem += tokens * (h + kv) / tp * e * 2 * 2  # rotary on q and k
+    # the region every TP rank repeats on the whole sequence (without sequence parallelism):
+    # two norms (forward r+w; backward reads x and dy, writes dx), two residual adds (2r+w;
+    # backward sums the branch gradients, 2r+w) and three dropouts (read, write, mask;
+    # backward reads dy and the mask, writes dx)
+    rep_f = tokens * h * (e * (2 * 2 + 2 * 3) + drop * 3 * (2 * e + 1))
+    rep_b = tokens * h * (e * (2 * 3 + 2 * 3) + drop * 3 * (2 * e + 1))
+    if model.gated:  # silu(gate) * up: reads two, writes one; backward reads gate, up and
+        # dy, writes both gradients; rotary on q and k (r+w, the same backward)
+        elem_f = tokens * f / tp * e * 3 + tokens * (h + kv) / tp * e * 2 * 2
+        elem_b = tokens * f / tp * e * 5 + tokens * (h + kv) / tp * e * 2 * 2
+    else:  # bias + gelu (r+w; backward reads the input and dy, writes dx); the qkv bias
+        # (r+w; its gradient is a sum over dy: one read)
+        elem_f = tokens * f / tp * e * 2 + tokens * (h + 2 * kv) / tp * e * 2
+        elem_b = tokens * f / tp * e * 3 + tokens * (h + 2 * kv) / tp * e
     scores = heads_local * s * s
-    # scale+mask+softmax, dropout; a fused kernel keeps the scores on chip (its matmuls'
-    # slowdown is in attention_gemm_s)
-    attn_elem = 0.0 if flash_attention else scores * (e * 2 * 2 + drop * (2 * e + 1))
+    # a fused scale+mask+softmax (Megatron's) reads the scores and writes the probabilities
+    # once, its backward reads them and their gradient and writes one; the dropout on them
+    # as above. A fused attention kernel keeps the scores on chip (its matmuls' slowdown is
+    # in attention_gemm_s)
+    attn_elem = 0.0 if flash_attention else scores * (e * 2 + drop * (2 * e + 1))
+    attn_back = 0.0 if flash_attention else scores * (e * 3 + drop * (2 * e + 1))
     mem_bw = elementwise_bytes_per_s(gpu, eff)
     kernels = 14 + (4 if model.dropout else 0) + (2 if model.gated else 0)
     launch = kernels * eff.kernel_overhead_s
@@ -128,9 +135,9 @@ def layer_times(
     # column-parallel matmuls' inputs again for their weight gradients (measured per layer:
     # forward 7.7 -> 7.2 ms, backward 11.9 -> 11.8 ms; Korthikanti et al. 2022)
     split = tp if sequence_parallel else 1
-    fwd = fwd_gemm + attn_gemm + (elem + replicated / split + attn_elem) / mem_bw + launch
-    # backward: two matmuls per forward matmul, about twice the elementwise traffic
-    bwd = 2 * (fwd_gemm + attn_gemm) + 2 * (elem + replicated + attn_elem) / mem_bw + 2 * launch
+    fwd = fwd_gemm + attn_gemm + (elem_f + rep_f / split + attn_elem) / mem_bw + launch
+    # backward: two matmuls per forward matmul
+    bwd = 2 * (fwd_gemm + attn_gemm) + (elem_b + rep_b + attn_back) / mem_bw + 2 * launch
     selective = attn_gemm + attn_elem / mem_bw
     return LayerTimes(fwd, bwd, selective)
 
