@@ -53,3 +53,28 @@ def test_tensor_parallel_row_held_out_of_a_one_gpu_fit():
     params = fit([one], CostParams())
     value, _ = predict(four, params)
     assert value == pytest.approx(four.measured, rel=0.10)
+
+
+def test_the_16gb_v100_takes_the_32gb_fit():
+    """Same chip at the same clocks (SXM2 GV100): the 16 GB V100 takes the 32 GB one's fitted
+    efficiencies, so one plan on either predicts the same time, and no warning says it runs on
+    defaults; an unfitted type of another chip still does."""
+    from hetplan.cluster import parse_inline_cluster
+    from hetplan.cost.estimate import estimate
+    from hetplan.cost.trust import warnings_for
+    from hetplan.model import ModelSpec
+    from hetplan.search.layout import uniform_plan
+
+    params = load_params(None)
+    assert params.fitted("V100-16GB") and params.gpu("V100-16GB") == params.gpu("V100-32GB")
+    assert not params.fitted("L4") and params.gpu("L4") == params.default
+    model = ModelSpec("m", "gpt", 8, 1024, 16, 16, 4096, 51200, 1024)
+    times = {}
+    for gpu in ("V100-16GB", "V100-32GB", "L4"):
+        cluster = parse_inline_cluster(f"{gpu}:1x4")
+        plan = uniform_plan(cluster, model.layers, 1, 1, 4, 2, 16, precision="fp16")
+        est = estimate(plan, model, cluster, params)
+        times[gpu] = est.iteration_time_s
+        default = any("no fitted parameters" in w for w in warnings_for(plan, est, cluster, params))
+        assert default == (gpu == "L4")
+    assert times["V100-16GB"] == pytest.approx(times["V100-32GB"], rel=1e-9)

@@ -79,6 +79,13 @@ class GPUEfficiency:
                 raise InputError(f"calibration.{name}", "must lie in [0, 1]")
 
 
+SAME_SILICON = {"V100-16GB": "V100-32GB"}
+"""GPU types that are one chip at the same clocks as another (the SXM2 V100 with 16 or 32 GB:
+same GV100, 300 W, 900 GB/s HBM2), which take its fitted efficiencies when they have none of
+their own: the efficiencies are shares of each type's own peaks. Not here: PCIe and SXM
+parts of one chip, whose power limits and clocks differ."""
+
+
 @dataclass(frozen=True)
 class CostParams:
     """Every fitted number of the cost model."""
@@ -117,8 +124,16 @@ class CostParams:
         return self.compute.profile
 
     def gpu(self, name: str) -> GPUEfficiency:
-        """Returns the efficiency parameters of GPU type ``name``."""
-        return self.gpus.get(name, self.default)
+        """Returns the efficiency parameters of GPU type ``name``: its fitted ones, else
+        those of the same chip at the same clocks (``SAME_SILICON``), else the default."""
+        hit = self.gpus.get(name)
+        if hit is None and name in SAME_SILICON:
+            hit = self.gpus.get(SAME_SILICON[name])
+        return self.default if hit is None else hit
+
+    def fitted(self, name: str) -> bool:
+        """Returns whether GPU type ``name`` has fitted parameters (its own or its chip's)."""
+        return name in self.gpus or SAME_SILICON.get(name) in self.gpus
 
     def link_efficiency_of(self, gpu_name: str) -> float:
         """Returns the link efficiency on nodes of GPU type ``gpu_name``."""

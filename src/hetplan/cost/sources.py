@@ -230,7 +230,7 @@ class ComputeSource:
         ``sequence_parallel``, the sequence-split norms and dropouts of Megatron's SP)."""
         sp = sequence_parallel and tp > 1
         eff = params.gpu(gpu.name)
-        borrow = gpu.name not in params.gpus
+        borrow = not params.fitted(gpu.name)
         key = ("layer", id(model), id(gpu), self._ident(eff), borrow, tp, mb, precision, flash,
                sp)  # fmt: skip
         self._ident(model)
@@ -287,7 +287,7 @@ class ComputeSource:
         flash: bool,
     ) -> Sourced:
         eff = params.gpu(gpu.name)
-        borrow = gpu.name not in params.gpus
+        borrow = not params.fitted(gpu.name)
         key = (part, self._ident(model), self._ident(gpu), self._ident(eff), borrow, tp, mb,
                precision, flash)  # fmt: skip
         hit = self._memo.get(key)

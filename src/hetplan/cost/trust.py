@@ -69,7 +69,7 @@ def warnings_for(plan: Plan, est: Estimate, cluster: Cluster, params: CostParams
     best_any = max((c.get("best_mfu", 0.0) for c in coverage.values()), default=0.0)
     for name in sorted(gpus):
         cov = coverage.get(name)
-        if name not in params.gpus and name not in measured_gpus:
+        if not params.fitted(name) and name not in measured_gpus:
             out.append(
                 f"{name} has no fitted parameters and no profile: default efficiencies "
                 "(use hetplan calibrate or --profile)"
