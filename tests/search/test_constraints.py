@@ -152,8 +152,8 @@ def _exhaustive_module():
 
 HETEROGENEOUS = [
     # (layers, hidden, seq, cluster, batch, constraints, predicate)
-    (4, 4096, 1024, "L4:1x1,T4:2x1", 4, PlanConstraints(pp=(2,)),
-     lambda p: all(len(q.stages) == 2 for q in p.pipelines)),
+    (4, 4096, 1024, "L4:1x1,T4:2x1", 4, PlanConstraints(pp=(3,)),
+     lambda p: all(len(q.stages) == 3 for q in p.pipelines)),
     (4, 1024, 512, "A100-40GB:1x2,V100-16GB:1x2", 4, PlanConstraints(micro_batch=(2,)),
      lambda p: p.micro_batch_size == 2),
     (4, 1024, 512, "A100-40GB:1x2,V100-16GB:1x2", 4,

@@ -138,7 +138,7 @@ def test_setting_bounds_never_exceed_estimate(seed):
 CASES = [
     (4, 2048, "L4:1x1,T4:1x2", 8),
     (4, 1024, "A100-40GB:1x2,V100-16GB:1x2", 8),
-    (3, 4096, "A10:1x1,T4:2x1", 4),
+    (3, 4096, "A10:1x1,T4:2x1", 8),
     (4, 2048, "V100-32GB:1x2,A10:1x1,T4:1x1", 8),
 ]
 

@@ -111,14 +111,14 @@ def test_drain_below_an_event_replay():
 def test_drain_binds_on_three_t4():
     """Three single-T4 nodes, gpt2, a global batch of 8: whole micro-batches leave some GPU
     with 3 of them or a pipeline, whose drain the schedule bound counts. It lifts the batch
-    floor by more than 3%, and no plan of the homogeneous search is below it."""
+    floor by more than 1.5%, and no plan of the homogeneous search is below it."""
     model = load_model("gpt2")
     offer = _offer("T4", 1, 3)
     floor = _floor(model, offer, 8)
     n = np.array(3)
     with_drain = float(batch_floor_s(model, 8, [floor], n))
     without = float(batch_floor_s(model, 8, [replace(floor, layer_back_tp=())], n))
-    assert with_drain > 1.03 * without
+    assert with_drain > 1.015 * without
     found = search_homogeneous(model, offer.cluster(3), 8, "fp16", top_k=40)
     assert found.ranked
     for _, est in found.ranked:
