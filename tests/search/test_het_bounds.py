@@ -171,3 +171,45 @@ def test_enumeration_bounds_never_exceed_estimate(monkeypatch, layers, hidden, s
     assert res.proven
     assert pairs
     assert all(low <= t for low, t in pairs)
+
+
+def test_density_bound_binds_where_groups_barely_outnumber_micro_batches():
+    """Six TP-1 groups (four A100s, two T4s), eight micro-batches of one sequence, 1F1B,
+    4 layers: the stages of all pipelines are at most the six groups, so some pipeline runs
+    at least 8/6 micro-batches a stage: with p stages m >= ceil(8p/6), and its fill
+    S / (1 - (1 - 1/m)^p) is least at p = 3, m = 4: 64/37 S (S: every layer and the fixed
+    costs once on the fastest group). The plain pipelining bound lets the pipeline of the
+    most micro-batches (two, of four pipelines) take three stages (8/7 S). No plan of these
+    knobs is below the density bound: every split of the groups into d pipelines of p stages
+    that fits, checked."""
+    model = ModelSpec("m", "gpt", 4, 2048, 16, 16, 8192, 32000, 1024)
+    cluster = parse_inline_cluster("A100-40GB:1x4,T4:1x2")
+    params = default_params()
+    state = het._State(model, cluster, device_classes(cluster), 8, "fp16", params, True)
+    knobs = Knobs(1, "none", 0, 1, "fp16", True, "1F1B", 1)
+    tps = tuple(1 for _ in state.classes)
+    taus, phi = state._work(tps, knobs)
+    least = phi + model.layers * taus[0]
+    bound = state.combo_bound_s(tps, knobs)
+    assert bound >= least * 64 / 37 * (1 - 1e-9)
+    devices = [f"a100-40gb-0:{i}" for i in range(4)] + ["t4-0:0", "t4-0:1"]
+    checked = 0
+    for p in range(1, 5):
+        for d in range(1, len(devices) // p + 1):
+            if d > 8:
+                continue
+            for split in itertools.product(range(1, 4), repeat=p):
+                if sum(split) != 4:
+                    continue
+                shares = [8 // d + (1 if r < 8 % d else 0) for r in range(d)]
+                pipes = tuple(
+                    Pipeline(shares[r], tuple(Stage(n, (devices[r * p + j],))
+                                              for j, n in enumerate(split)))
+                    for r in range(d)
+                )  # fmt: skip
+                plan = Plan(8, 1, pipes, precision="fp16", zero_stage=1 if d > 1 else 0)
+                est = estimate(plan, model, cluster, params)
+                if est.fits:
+                    checked += 1
+                    assert bound <= est.iteration_time_s * (1 + 1e-12), plan
+    assert checked >= 10

@@ -252,7 +252,10 @@ class SearchState(CandidatePool):
         micro-batches on p <= depth stages (the others need a group each) whose times sum
         to at least ``S`` (all layers once, and the fixed costs); the closed-form bound
         ``max_j (sum_{i<j} T_i / v + m T_j)`` is least, over stage times summing to S,
-        when all its terms are equal: ``S / (v (1 - (1 - 1/(m v))^p))``."""
+        when all its terms are equal: ``S / (v (1 - (1 - 1/(m v))^p))``. Density: the
+        pipelines' stages number at most the groups, so some pipeline runs at least
+        ``total / groups`` micro-batches per stage, and the same form with that many
+        (rounded up to whole ones) holds for it at its depth, whatever it is."""
         total = self.global_batch // knobs.micro_batch
         taus, phi = self._work(tps, knobs)
         v = knobs.virtual_stages
@@ -266,7 +269,14 @@ class SearchState(CandidatePool):
         for d in range(lo, hi + 1):
             m, p = math.ceil(total / d), max(1, min(depth, len(taus) - d + 1))
             piped = min(piped, least / (v * (1.0 - (1.0 - 1.0 / (m * v)) ** p)))
-        return max(out, piped * (1.0 - 1e-9))
+        # some pipeline runs at least total / groups micro-batches per stage (the stages of
+        # all pipelines are at most the TP groups): with p stages it runs m >= that x p
+        # whole micro-batches, and the closed form grows with m
+        dense = math.inf
+        for p in range(1, depth + 1):
+            m = max(1, math.ceil(total * p / len(taus) * (1.0 - 1e-12)))
+            dense = min(dense, least / (v * (1.0 - (1.0 - 1.0 / (m * v)) ** p)))
+        return max(out, max(piped, dense) * (1.0 - 1e-9))
 
     def _combo(
         self, tps: tuple[int, ...], knobs0: Knobs, zeros: tuple[tuple[int, ...], ...]
