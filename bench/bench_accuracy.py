@@ -32,7 +32,7 @@ from hetplan.cost.calibrate_data import shipped_files
 from hetplan.cost.calibrate_fit import fit
 from hetplan.cost.calibrate_report import in_sample, leave_one_out
 from hetplan.cost.memory_check import errors_pct, memory_rows, offset_bytes
-from hetplan.cost.params import SAME_SILICON, CostParams, load_params
+from hetplan.cost.params import CostParams, load_params
 from hetplan.cost.runs import Run, load_runs
 from hetplan.hardware import catalog_gpus
 
@@ -159,10 +159,8 @@ def main() -> None:
         console.print(summary)
         console.print(f"targets: in sample {TARGET}; cold LOO {LOO_TARGET}")
         console.print(memory_table(load_runs(SAILOR / "measured_plans.csv"), shipped))
-        fitted_names = {g for p in fitted for g in p.gpus}
         fallback = sorted(g.name for g in catalog_gpus()
-                          if g.name not in fitted_names and SAME_SILICON.get(g.name)
-                          not in fitted_names)  # fmt: skip
+                          if not any(p.fitted(g.name) for p in fitted))  # fmt: skip
         console.print(f"fall back to default terms (no measured run): {', '.join(fallback)}")
         if args.write or args.out:
             base, gh = fitted

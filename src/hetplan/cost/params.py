@@ -126,14 +126,19 @@ class CostParams:
     def gpu(self, name: str) -> GPUEfficiency:
         """Returns the efficiency parameters of GPU type ``name``: its fitted ones, else
         those of the same chip at the same clocks (``SAME_SILICON``), else the default."""
-        hit = self.gpus.get(name)
-        if hit is None and name in SAME_SILICON:
-            hit = self.gpus.get(SAME_SILICON[name])
-        return self.default if hit is None else hit
+        key = self._fitted_as(name)
+        return self.default if key is None else self.gpus[key]
 
     def fitted(self, name: str) -> bool:
         """Returns whether GPU type ``name`` has fitted parameters (its own or its chip's)."""
-        return name in self.gpus or SAME_SILICON.get(name) in self.gpus
+        return self._fitted_as(name) is not None
+
+    def _fitted_as(self, name: str) -> str | None:
+        """Returns the GPU type whose fitted parameters ``name`` takes, or None."""
+        for key in (name, SAME_SILICON.get(name)):
+            if key in self.gpus:
+                return key
+        return None
 
     def link_efficiency_of(self, gpu_name: str) -> float:
         """Returns the link efficiency on nodes of GPU type ``gpu_name``."""

@@ -265,17 +265,21 @@ class SearchState(CandidatePool):
         one = math.ceil(total / hi)
         out = max(whole, capacity_bound_s(taus, one * layers, one * phi, depth))
         least = phi + layers * taus[0]
-        piped = math.inf
-        for d in range(lo, hi + 1):
-            m, p = math.ceil(total / d), max(1, min(depth, len(taus) - d + 1))
-            piped = min(piped, least / (v * (1.0 - (1.0 - 1.0 / (m * v)) ** p)))
+
+        def fill(m: int, p: int) -> float:  # the closed form: m micro-batches, p stages
+            return least / (v * (1.0 - (1.0 - 1.0 / (m * v)) ** p))
+
+        piped = min(
+            fill(math.ceil(total / d), max(1, min(depth, len(taus) - d + 1)))
+            for d in range(lo, hi + 1)
+        )
         # some pipeline runs at least total / groups micro-batches per stage (the stages of
         # all pipelines are at most the TP groups): with p stages it runs m >= that x p
         # whole micro-batches, and the closed form grows with m
-        dense = math.inf
-        for p in range(1, depth + 1):
-            m = max(1, math.ceil(total * p / len(taus) * (1.0 - 1e-12)))
-            dense = min(dense, least / (v * (1.0 - (1.0 - 1.0 / (m * v)) ** p)))
+        dense = min(
+            fill(max(1, math.ceil(total * p / len(taus) * (1.0 - 1e-12))), p)
+            for p in range(1, depth + 1)
+        )
         return max(out, max(piped, dense) * (1.0 - 1e-9))
 
     def _combo(

@@ -25,6 +25,7 @@ from hetplan.search.provision_points import (
     count_reason,
     dominated_from_s,
     front_cost,
+    front_cost_at,
     iterations,
     offer_floor,
 )
@@ -166,7 +167,8 @@ def explore_mixes(
         tighten(job, grid, pairs, live[front_cost(grid.t_lb, points) > grid.c_lb])
     while live.size:
         t_lb, c_lb = grid.t_lb[live], grid.c_lb[live]
-        front = front_cost(t_lb, points)
+        at = front_cost_at(points)  # the points sorted once for both dominance tests
+        front = front_cost(t_lb, points, at)
         if prune:
             dom = front <= c_lb
             pruned += int(dom.sum())
@@ -190,7 +192,7 @@ def explore_mixes(
         # cuts a plan)
         cut = math.inf
         if prune:
-            cut = (dominated_from_s(float(grid.usd_hour[q]), points) / iterations(job)
+            cut = (dominated_from_s(float(grid.usd_hour[q]), points, at) / iterations(job)
                    / float(grid.slow[q]) * (1 + 1e-9))  # fmt: skip
 
         def ranked_by(
