@@ -188,6 +188,30 @@ chunks, chunk times, sends); cleared when full."""
 _REPLAYS: dict[tuple[Any, ...], Replay] = {}
 
 
+def memo_replay(
+    schedule: str,
+    m: int,
+    v: int,
+    fwd_c: list[list[float]],
+    bwd_c: list[list[float]],
+    sends: list[float],
+    sig: tuple[Any, ...] | None = None,
+) -> Replay:
+    """Returns ``pipeline_replay`` of a pipeline's chunk times and sends, memoised across
+    calls by its signature (``sig``, when the caller built it): ``estimate`` and the
+    homogeneous search's replay bound, which replays the same pipeline just before it is
+    estimated, share one replay."""
+    if sig is None:
+        sig = (schedule, m, v, tuple(map(tuple, fwd_c)), tuple(map(tuple, bwd_c)), tuple(sends))
+    rep = _REPLAYS.get(sig)
+    if rep is None:
+        rep = pipeline_replay(schedule, m, v, fwd_c, bwd_c, sends)
+        if len(_REPLAYS) >= REPLAY_MEMO_SIZE:
+            _REPLAYS.clear()
+        _REPLAYS[sig] = rep
+    return rep
+
+
 def estimate(
     plan: Plan,
     model: ModelSpec,
@@ -375,16 +399,13 @@ def estimate(
             tuple(map(tuple, bwd_c)),
             tuple(sends),
         )
-        rep = replay_cache.get(sig) if record else _REPLAYS.get(sig)
-        if rep is None:
-            if record:
+        if record:
+            rep = replay_cache.get(sig)
+            if rep is None:
                 rep = replay_cache[sig] = replay(plan.schedule, m, v, fwd_c, bwd_c, sends,
                                                  record=True)  # fmt: skip
-            else:
-                rep = pipeline_replay(plan.schedule, m, v, fwd_c, bwd_c, sends)
-                if len(_REPLAYS) >= REPLAY_MEMO_SIZE:
-                    _REPLAYS.clear()
-                _REPLAYS[sig] = rep
+        else:
+            rep = memo_replay(plan.schedule, m, v, fwd_c, bwd_c, sends, sig)
         replays.append(rep)
         pipeline_times.append(rep.makespan_s)
         for j, st in enumerate(row):

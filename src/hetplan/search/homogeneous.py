@@ -83,10 +83,12 @@ def search_homogeneous(
 
     Candidates are visited in order of a proven lower bound of their estimate() time and
     estimated exactly until the bound reaches the k-th best time found: no candidate that
-    could rank in the top k is skipped. The bound comes in two steps: every candidate's
+    could rank in the top k is skipped. The bound comes in three steps: every candidate's
     without its gradient reduction (``Scorer.bound_s``, no data-parallel layout needed),
-    raised to the whole bound when the candidate comes first in the order; only then is it
-    estimated if it still comes first. ``progress`` is told after every estimate
+    raised to the whole bound when the candidate comes first in the order, then, when it
+    comes first again, to its pipeline's replay on the same lower bounds
+    (``Scorer.replay_bound_s``, one replay); only then is it estimated if it still comes
+    first. ``progress`` is told after every estimate
     (candidates estimated, of the fitting ones at most, and the best time so far).
 
     ``weight``: rank by the iteration time x ``weight(plan)`` instead (a spot run's
@@ -109,8 +111,9 @@ def search_homogeneous(
                           flash_attention, scorer=scorer, sync=False)  # fmt: skip
     result = SearchResult([], sc.candidates, sc.fitting, sc.min_memory_bytes)
     floor = weight_floor if weight is not None else 1.0
-    # (lower bound, tie-break, refined, index): sorted by the cheap bound, hence a heap
-    heap = [(b * floor, tiebreak(c), False, i) for i, (b, c) in enumerate(sc.ranked)]
+    # (lower bound, tie-break, refinement, index): sorted by the cheap bound, hence a heap;
+    # refinement 0: the first bound, 1: the whole bound, 2: its pipeline replayed
+    heap = [(b * floor, tiebreak(c), 0, i) for i, (b, c) in enumerate(sc.ranked)]
     weights: dict[tuple[object, ...], float] = {}
     ranked: list[tuple[float, tuple[object, ...], Plan, Estimate]] = []
     evaluated = 0
@@ -128,9 +131,14 @@ def search_homogeneous(
             w = weights[key]
             if not math.isfinite(w):
                 continue
-        if not refined:
-            heapq.heappush(heap, (scorer.bound_s(c) * w, tb, True, i))
+        if refined == 0:
+            heapq.heappush(heap, (scorer.bound_s(c) * w, tb, 1, i))
             continue
+        if refined == 1:
+            replayed = scorer.replay_bound_s(c)
+            if replayed is not None and replayed * w > bound:
+                heapq.heappush(heap, (replayed * w, tb, 2, i))
+                continue
         # the candidate's plan on its layout's pipelines, whose sync layout is known
         plan = scorer.knob_plan(c)
         est = estimate(plan, model, cluster, params, validate=False,

@@ -14,11 +14,19 @@ from hetplan.cost.comm import p2p_s, scalar_allreduce_s
 from hetplan.cost.dp_sync import (
     SyncLayout,
     grad_sync_times,
+    layout_classes,
     sharded_microbatch_s,
     uniform_sync_layout,
     zero2_buffer_s,
 )
-from hetplan.cost.estimate import StageKey, chunk_split, p2p_wait_s, part_split, stage_times
+from hetplan.cost.estimate import (
+    StageKey,
+    chunk_split,
+    memo_replay,
+    p2p_wait_s,
+    part_split,
+    stage_times,
+)
 from hetplan.cost.memory import (
     combine_activation_bytes,
     held_chunks,
@@ -31,7 +39,7 @@ from hetplan.cost.sharding import bucket_count, deferred, deferred_sync, exposed
 from hetplan.errors import InputError
 from hetplan.model import ModelSpec
 from hetplan.plan import Plan, element_bytes
-from hetplan.search.het_bounds import replay_is_exact
+from hetplan.search.het_bounds import chunk_times, replay_is_exact
 from hetplan.search.homogeneous_candidates import (
     Candidate,
     SearchSpace,
@@ -76,6 +84,28 @@ class _Layout:
     sharded: dict[tuple[object, ...], tuple[float, float]] = field(default_factory=dict)
     """Per ZeRO stage, stage of pipeline 0 and its compute: ZeRO-2/3's collectives per
     micro-batch and after the step (``sharded_microbatch_s``, ZeRO-2's buffer work in)."""
+
+
+@dataclass
+class _Terms:
+    """Per stage of a candidate's pipeline 0, the lower-bounded times its bounds combine."""
+
+    nodes: list[Node]
+    sends: list[float]
+    """The quickest transfer out of each stage (0 out of the last without interleaving)."""
+    fwd: list[float] = field(default_factory=list)
+    b_side: list[float] = field(default_factory=list)
+    """Backward, recomputation, TP collectives and ZeRO-2/3's per-micro-batch collectives."""
+    waits: list[float] = field(default_factory=list)
+    fills: list[float] = field(default_factory=list)
+    per: list[float] = field(default_factory=list)
+    own: list[float] = field(default_factory=list)
+    drain: list[float] = field(default_factory=list)
+    tails: list[float] = field(default_factory=list)
+    """After the last backward: the reduction's exposed part, the optimizer step, ZeRO-2's
+    parameter gather."""
+    scalar: float = 0.0
+    """The step's all-reduces of one number."""
 
 
 class SearchMemo:
@@ -364,6 +394,81 @@ class Scorer:
         m = most_micro_batches(self.global_batch, c.dp, c.micro_batch)  # the busiest replica
         if not sync:
             return self._first_bound(c, m)
+        t = self._terms(c, m)
+        p, own = c.pp, t.own
+        # a stage's last backward ends after its own work, and after the next stage's last
+        # backward, the transfer back and its own quickest backward chunk; then its
+        # gradient reduction's exposed part, its optimizer step and ZeRO-2's gather
+        if c.schedule != "GPipe" and c.virtual_stages == 1 and p > 1 and replay_is_exact(p, m, 1):
+            # 1F1B: stage j starts micro-batch i + W (W = p - j in flight at most) only after
+            # i's backward, which follows i's forward through the later stages and its
+            # backward back: D_j, the per-micro-batch times of stages j.. and two transfers
+            # per hop; so its last backward ends no sooner than its fill + ceil(m / W) D_j
+            # (proven for the replay, not for its extrapolation of the longest runs)
+            own = list(own)
+            cycle = 0.0
+            for j in range(p - 1, -1, -1):
+                cycle += t.per[j] + (2 * t.sends[j] if j < p - 1 else 0.0)
+                in_flight = min(p - j, m)
+                own[j] = max(own[j], t.fills[j] + -(-m // in_flight) * cycle)
+        last_end = bound = 0.0
+        for j in range(p - 1, -1, -1):
+            last_end = max(own[j], last_end + t.drain[j]) if j < p - 1 else own[j]
+            bound = max(bound, last_end + t.tails[j])
+        # every rank then waits for the step's all-reduces of one number
+        return (bound + t.scalar) * (1.0 - 1e-9)
+
+    def replay_bound_s(self, c: Candidate) -> float | None:
+        """Returns ``bound_s`` raised to pipeline 0's replay, where ``estimate`` replays it
+        action by action: pipeline 0 runs the most micro-batches (``replica_shares``), and
+        its chunk times, transfers (``comm.p2p_s`` with the node links shared as
+        ``pipeline_talkers`` counts) and waits are ``estimate``'s own, so its replay is the
+        one ``estimate`` makes, memoised for it (``memo_replay``). Each stage then adds its
+        tail as ``bound_s`` bounds it (the reduction's exposed part, the optimizer step,
+        ZeRO-2's gather) and every rank the step's one-number all-reduces. It catches what
+        the closed forms miss, a pipeline whose pace its transfers' round trips set rather
+        than its busiest stage. None where it adds nothing or is not proven (one stage,
+        lightened chunks, a replay ``estimate`` extrapolates). The search asks it only of
+        candidates about to be estimated."""
+        m = most_micro_batches(self.global_batch, c.dp, c.micro_batch)
+        v, p = c.virtual_stages, c.pp
+        if p == 1 or c.lightened or not replay_is_exact(p, m, v):
+            return None
+        t = self._terms(c, m)
+        plan, lay = self.knob_plan(c), self.layout(c)
+        talkers, _ = layout_classes(plan, lay.sync, self.cluster.device_node)
+        stages = plan.pipelines[0].stages
+        nodes = [self.cluster.device_node(st.devices[0]) for st in stages]
+        act = plan.micro_batch_size * self.model.seq * self.model.hidden
+        act *= element_bytes(plan.precision)
+        sends = []
+        for j, st in enumerate(stages):
+            node, nxt = nodes[j], nodes[(j + 1) % p]
+            conc = max(talkers.get(node.name, 0), talkers.get(nxt.name, 0), st.tp)
+            sends.append(p2p_s(act / st.tp, node, nxt, self.params, conc))
+        fwd_c: list[list[float]] = []
+        bwd_c: list[list[float]] = []
+        for j, node in enumerate(nodes):
+            parts = (0.0, 0.0, 0.0, 0.0)
+            if v > 1 and (j == 0 or j == p - 1):
+                pkey = ("parts", node.gpu.name, c.tp, j == 0, j == p - 1, c.micro_batch,
+                        self.precision, self.flash)  # fmt: skip
+                hit = self.memo.stages.get(pkey)
+                if hit is None:
+                    ef, eb, hf, hb = part_split(plan, self.model, node.gpu, c.tp, j == 0,
+                                                j == p - 1, self.params)  # fmt: skip
+                    hit = self.memo.stages[pkey] = (ef, eb, hf, hb, 0.0)
+                parts = hit[:4]
+            wait = p2p_wait_s(sends, j, v, self.params.gpu(node.gpu.name).p2p_exposed)
+            fc, bc = chunk_times(t.fwd[j], t.b_side[j], wait, v, parts)
+            fwd_c.append(fc)
+            bwd_c.append(bc)
+        rep = memo_replay(c.schedule, m, v, fwd_c, bwd_c, sends)
+        tail = max(e + x for e, x in zip(rep.last_backward_end_s, t.tails, strict=True))
+        return max(self.bound_s(c), (tail + t.scalar) * (1.0 - 1e-9))
+
+    def _terms(self, c: Candidate, m: int) -> _Terms:
+        """Returns what ``bound_s`` and ``replay_bound_s`` read, per stage of pipeline 0."""
         model, params, memo = self.model, self.params, self.memo
         plan = self.knobs(c)
         v = c.virtual_stages
@@ -382,11 +487,7 @@ class Scorer:
             lo_sends.append(0.0)
             hi_sends.append(0.0)
         split = self.shape(c).split
-        own: list[float] = []  # per stage: the least time its last backward ends
-        fills: list[float] = []  # per stage: the least time its first forward starts
-        per: list[float] = []  # per stage: its least time per micro-batch
-        drain: list[float] = []
-        tails: list[float] = []
+        t = _Terms(nodes, lo_sends)
         f_acc = 0.0
         for j, node in enumerate(nodes):
             layers = split[j]
@@ -416,33 +517,17 @@ class Scorer:
             overlap = self.space.overlap_grad_reduce
             for g in lay.holds[j]:
                 exposed += exposed_sync_s(sync_s[g], window, share, overlap, lay.buckets[g])
-            fills.append(f_acc)
-            per.append(fwd + bwd + rc + tpc + zero_mb + wait)
-            own.append(f_acc + m * per[-1])
-            drain.append(b_first + lo_sends[j])
-            tails.append(exposed + opt + gather)
+            t.fwd.append(fwd)
+            t.b_side.append(bwd + rc + tpc + zero_mb)
+            t.waits.append(wait)
+            t.fills.append(f_acc)
+            t.per.append(fwd + bwd + rc + tpc + zero_mb + wait)
+            t.own.append(f_acc + m * t.per[-1])
+            t.drain.append(b_first + lo_sends[j])
+            t.tails.append(exposed + opt + gather)
             f_acc += f_first + lo_sends[j]  # its first chunk, then the transfer onward
-        # a stage's last backward ends after its own work, and after the next stage's last
-        # backward, the transfer back and its own quickest backward chunk; then its
-        # gradient reduction's exposed part, its optimizer step and ZeRO-2's gather
-        if c.schedule != "GPipe" and v == 1 and p > 1 and replay_is_exact(p, m, v):
-            # 1F1B: stage j starts micro-batch i + W (W = p - j in flight at most) only after
-            # i's backward, which follows i's forward through the later stages and its
-            # backward back: D_j, the per-micro-batch times of stages j.. and two transfers
-            # per hop; so its last backward ends no sooner than its fill + ceil(m / W) D_j
-            # (proven for the replay, not for its extrapolation of the longest runs)
-            cycle = 0.0
-            for j in range(p - 1, -1, -1):
-                cycle += per[j] + (2 * lo_sends[j] if j < p - 1 else 0.0)
-                in_flight = min(p - j, m)
-                own[j] = max(own[j], fills[j] + -(-m // in_flight) * cycle)
-        last_end = bound = 0.0
-        for j in range(p - 1, -1, -1):
-            last_end = max(own[j], last_end + drain[j]) if j < p - 1 else own[j]
-            bound = max(bound, last_end + tails[j])
-        # every rank then waits for the step's all-reduces of one number
-        bound += 2.0 * scalar_allreduce_s(*lay.sync.spread, params)
-        return bound * (1.0 - 1e-9)
+        t.scalar = 2.0 * scalar_allreduce_s(*lay.sync.spread, params)
+        return t
 
     def _stage(
         self, c: Candidate, plan: Plan, j: int, node: Node
