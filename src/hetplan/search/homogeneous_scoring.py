@@ -451,14 +451,7 @@ class Scorer:
         for j, node in enumerate(nodes):
             parts = (0.0, 0.0, 0.0, 0.0)
             if v > 1 and (j == 0 or j == p - 1):
-                pkey = ("parts", node.gpu.name, c.tp, j == 0, j == p - 1, c.micro_batch,
-                        self.precision, self.flash)  # fmt: skip
-                hit = self.memo.stages.get(pkey)
-                if hit is None:
-                    ef, eb, hf, hb = part_split(plan, self.model, node.gpu, c.tp, j == 0,
-                                                j == p - 1, self.params)  # fmt: skip
-                    hit = self.memo.stages[pkey] = (ef, eb, hf, hb, 0.0)
-                parts = hit[:4]
+                parts = self._parts(c, plan, j, node)
             wait = p2p_wait_s(sends, j, v, self.params.gpu(node.gpu.name).p2p_exposed)
             fc, bc = chunk_times(t.fwd[j], t.b_side[j], wait, v, parts)
             fwd_c.append(fc)
@@ -585,6 +578,20 @@ class Scorer:
         const, per = hit
         return max(a + m * b for a, b in zip(const, per, strict=True)) * (1.0 - 1e-9)
 
+    def _parts(
+        self, c: Candidate, plan: Plan, j: int, node: Node
+    ) -> tuple[float, float, float, float]:
+        """Returns the embedding's and the head's forward and backward times on stage ``j``
+        (``estimate.part_split``; zero for what the stage does not hold), memoised."""
+        first, last = j == 0, j == c.pp - 1
+        key = ("parts", node.gpu.name, c.tp, first, last, c.micro_batch, self.precision,
+               self.flash)  # fmt: skip
+        hit = self.memo.stages.get(key)
+        if hit is None:
+            ef, eb, hf, hb = part_split(plan, self.model, node.gpu, c.tp, first, last, self.params)
+            hit = self.memo.stages[key] = (ef, eb, hf, hb, 0.0)
+        return hit[0], hit[1], hit[2], hit[3]
+
     def _quickest_chunk(
         self,
         c: Candidate,
@@ -604,14 +611,7 @@ class Scorer:
         if empty is None:
             key = StageKey(node.gpu, node.intra_node_bytes_per_s, c.tp, 0, first, last, p == 1)
             empty = memo.stages[ekey] = stage_times(plan, self.model, key, node, self.params)[:5]
-        pkey = ("parts", *skey)
-        parts = memo.stages.get(pkey)
-        if parts is None:
-            parts = memo.stages[pkey] = (
-                *part_split(plan, self.model, node.gpu, c.tp, first, last, self.params),
-                0.0,
-            )
-        ef, eb, hf, hb, _ = parts
+        ef, eb, hf, hb = self._parts(c, plan, j, node)
         fwd, bwd, rc, tpc, _ = times
         chunks = lightened_chunks(self.shape(c).split, v)[j]
         fs = chunk_split(fwd - ef - hf, empty[0] - ef - hf, layers, chunks)
