@@ -41,12 +41,15 @@ def sharded_microbatch_s(
     ZeRO-2, the parameter all-gather after the optimizer step (see ``cost.sharding``).
 
     ``group``: the nodes of the stage's data-parallel group; ``forward_s``/``backward_s``:
-    the stage's per-micro-batch forward and backward-side compute they can hide under."""
+    the stage's per-micro-batch forward and backward-side compute they can hide under. A
+    collective ends for every member together, so the share of it that runs beside compute
+    is the group's least (``grad_overlap`` over its members' GPU types, as the once-a-step
+    reduction takes it over its holders), whatever order the members come in."""
     if plan.zero_stage < 2 or len(group) <= 1 or deferred_sync(plan):
         return 0.0, 0.0
     e = element_bytes(plan.precision)
     total = stage_params(model, layers, tp, first, last, single)
-    share = params.gpu(group[0].gpu.name).grad_overlap
+    share = min(params.gpu(name).grad_overlap for name in {n.gpu.name for n in group})
 
     def gather(n: float) -> float:  # all-gather of n parameters
         return comm.group_allgather_s(n * e, group, params, concurrency)
