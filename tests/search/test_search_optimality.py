@@ -883,17 +883,22 @@ def test_estimate_ignores_pipeline_order_under_zero_2_and_3_on_mixed_types():
     params = default_params()
     a40, a80 = params.gpu("A100-40GB").grad_overlap, params.gpu("A100-80GB").grad_overlap
     assert abs(a40 - a80) > 0.1  # else this case could not tell the order apart
-    checked = 0
+    checked = seen = 0
     for plan in heterogeneous_plans(model, cluster, 8, "fp16", WIDE_HET):
         kinds = {cluster.device_node(p.stages[0].devices[0]).gpu.name for p in plan.pipelines}
         if plan.zero_stage < 2 or len(kinds) < 2:
+            continue
+        seen += 1
+        if seen % 3:
             continue
         other = replace(plan, pipelines=tuple(reversed(plan.pipelines)))
         a = estimate(plan, model, cluster, params)
         b = estimate(other, model, cluster, params)
         assert b.iteration_time_s == pytest.approx(a.iteration_time_s, rel=1e-12), plan
         checked += 1
-    assert checked > 20
+        if checked == 40:
+            break
+    assert checked == 40
 
 
 def test_heterogeneous_first_plan_with_wide_knobs_on_two_a100_types():
