@@ -110,7 +110,8 @@ def best_uniform(
                     zeros = tuple(z for z in c.zero_stage if z <= 3)
                 for rc in recomputes:
                     for zero in zeros:
-                        if deferred(zero, dp, pp > 1, False):  # ZeRO-1's time, more memory
+                        # ZeRO-1's time, more memory: dominated where ZeRO-1 is allowed
+                        if 1 in zeros and deferred(zero, dp, pp > 1, False):
                             continue
                         sp = tp > 1 if c.sequence_parallel is None else c.sequence_parallel
                         plan = uniform_plan(

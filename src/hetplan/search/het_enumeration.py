@@ -328,8 +328,10 @@ class Enumeration:
         any_tp = any(self.tables[c].tp > 1 for i, _ in sel for c in self.pipes[i].classes)
         pipelined = any(len(self.pipes[i].layers) > 1 for i, _ in sel)
         uneven = len({m for _, m in sel}) > 1
-        for z in s.zeros_allowed(zero_choices(d)):
-            if deferred(z, d, pipelined, uneven):  # ZeRO-1's time, more memory: dominated
+        zeros = s.zeros_allowed(zero_choices(d))
+        for z in zeros:
+            # ZeRO-1's time, more memory: dominated by the ZeRO-1 twin, where it is allowed
+            if 1 in zeros and deferred(z, d, pipelined, uneven):
                 continue
             shards = d if z else 1
             bound = max(self.pipe_bound_s(i, m, shards) for i, m in sel)

@@ -75,6 +75,7 @@ def enumerate_candidates(
     model: ModelSpec, num_gpus: int, gpus_per_node: int, global_batch: int, space: SearchSpace
 ) -> Iterator[Candidate]:
     """Yields every candidate that passes divisibility rules (not memory)."""
+    zero1 = 1 in space.zero_stages  # else a deferred ZeRO-2/3 plan has no ZeRO-1 twin
     for tp in divisors(gpus_per_node):
         if space.tp and tp not in space.tp:
             continue
@@ -119,12 +120,13 @@ def enumerate_candidates(
                     for zero in space.zero_stages:
                         if zero and dp == 1:
                             continue
-                        if deferred(zero, dp, pp > 1, len(counts) > 1):
-                            # dominated: pipelined, frameworks run ZeRO-2/3 with ZeRO-1's
-                            # traffic and no less memory (DeepSpeed's pipeline engine refuses
-                            # them; PyTorch's pipelining stages defer FSDP's gradient sync
-                            # and resharding to the last micro-batch), and estimate prices
-                            # them so (cost.sharding.deferred_sync; docs/search.md)
+                        if zero1 and deferred(zero, dp, pp > 1, len(counts) > 1):
+                            # dominated by ZeRO-1 of the same degrees, where the space has
+                            # it: pipelined, frameworks run ZeRO-2/3 with ZeRO-1's traffic
+                            # and no less memory (DeepSpeed's pipeline engine refuses them;
+                            # PyTorch's pipelining stages defer FSDP's gradient sync and
+                            # resharding to the last micro-batch), and estimate prices them
+                            # so (cost.sharding.deferred_sync; docs/search.md)
                             continue
                         for sched, v in schedules:
                             for sp in space.sequence_parallel:
