@@ -354,7 +354,8 @@ def test_limits_hold_on_every_point_and_each_point_is_the_constrained_best():
               if all(s.tp == 2 for r in q.pipelines for s in r.stages)
               and q.micro_batch_size == 2]  # fmt: skip
         assert p.estimate.iteration_time_s == pytest.approx(ok[0].iteration_time_s, rel=1e-12)
-        assert homogeneous_space(limits, PROVISION_SPACE).zero_stages == (1, 2, 3)
+        space = homogeneous_space(limits, PROVISION_SPACE)  # ZeRO-0 only for one replica
+        assert space.zero_stages == (0, 1, 2, 3) and space.zero0_has_twin
     with pytest.raises(InputError) as info:
         provision(model, _market(), 1e9, 64, "fp16", limits=PlanConstraints(gpu_types=("H100",)))
     assert info.value.field == "--gpu-types"

@@ -69,6 +69,10 @@ class SearchSpace:
     """Plan option of every candidate: gradient reduction overlapped with the backward."""
     overlap_tp_comm: bool = False
     """Plan option of every candidate: TP collectives overlapped with the TP matmuls."""
+    zero0_has_twin: bool = False
+    """Leave ZeRO-0 out where its ZeRO-1 twin is in the space: plans of several replicas
+    (the twin moves no more, holds less and steps a sharded optimizer). One replica keeps
+    ZeRO-0, its only choice (provisioning's space)."""
 
 
 def enumerate_candidates(
@@ -119,6 +123,8 @@ def enumerate_candidates(
                 for rc in space.recompute:
                     for zero in space.zero_stages:
                         if zero and dp == 1:
+                            continue
+                        if zero == 0 and dp > 1 and space.zero0_has_twin and zero1:
                             continue
                         if zero1 and deferred(zero, dp, pp > 1, len(counts) > 1):
                             # dominated by ZeRO-1 of the same degrees, where the space has
