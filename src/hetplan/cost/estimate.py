@@ -188,6 +188,18 @@ chunks, chunk times, sends); cleared when full."""
 _REPLAYS: dict[tuple[Any, ...], Replay] = {}
 
 
+def replay_sig(
+    schedule: str,
+    m: int,
+    v: int,
+    fwd_c: list[list[float]],
+    bwd_c: list[list[float]],
+    sends: list[float],
+) -> tuple[Any, ...]:
+    """Returns what a replay is a pure function of: its memo key."""
+    return (schedule, m, v, tuple(map(tuple, fwd_c)), tuple(map(tuple, bwd_c)), tuple(sends))
+
+
 def memo_replay(
     schedule: str,
     m: int,
@@ -195,14 +207,11 @@ def memo_replay(
     fwd_c: list[list[float]],
     bwd_c: list[list[float]],
     sends: list[float],
-    sig: tuple[Any, ...] | None = None,
 ) -> Replay:
     """Returns ``pipeline_replay`` of a pipeline's chunk times and sends, memoised across
-    calls by its signature (``sig``, when the caller built it): ``estimate`` and the
-    homogeneous search's replay bound, which replays the same pipeline just before it is
-    estimated, share one replay."""
-    if sig is None:
-        sig = (schedule, m, v, tuple(map(tuple, fwd_c)), tuple(map(tuple, bwd_c)), tuple(sends))
+    calls (``replay_sig``): ``estimate`` and the homogeneous search's replay bound, which
+    replays the same pipeline just before it is estimated, share one replay."""
+    sig = replay_sig(schedule, m, v, fwd_c, bwd_c, sends)
     rep = _REPLAYS.get(sig)
     if rep is None:
         rep = pipeline_replay(schedule, m, v, fwd_c, bwd_c, sends)
@@ -391,21 +400,14 @@ def estimate(
             bwd_c.append([bs[c] + (eb if c == 0 else 0.0) + (hb if c == v - 1 else 0.0)
                           for c in range(v)])  # fmt: skip
         sends = [st.send_s for st in row]
-        sig = (
-            plan.schedule,
-            m,
-            v,
-            tuple(map(tuple, fwd_c)),
-            tuple(map(tuple, bwd_c)),
-            tuple(sends),
-        )
         if record:
+            sig = replay_sig(plan.schedule, m, v, fwd_c, bwd_c, sends)
             rep = replay_cache.get(sig)
             if rep is None:
                 rep = replay_cache[sig] = replay(plan.schedule, m, v, fwd_c, bwd_c, sends,
                                                  record=True)  # fmt: skip
         else:
-            rep = memo_replay(plan.schedule, m, v, fwd_c, bwd_c, sends, sig)
+            rep = memo_replay(plan.schedule, m, v, fwd_c, bwd_c, sends)
         replays.append(rep)
         pipeline_times.append(rep.makespan_s)
         for j, st in enumerate(row):

@@ -58,6 +58,15 @@ def deferred(zero_stage: int, dp: int, pipelined: bool, uneven_counts: bool) -> 
     return pipelined or (zero_stage == 3 and uneven_counts)
 
 
+def dominated_by_zero1(
+    zero_stage: int, dp: int, pipelined: bool, uneven_counts: bool, allowed: tuple[int, ...]
+) -> bool:
+    """Returns whether a plan's ZeRO stage is one the searches leave out: ZeRO-2/3 deferred
+    to ZeRO-1's traffic (``deferred``) with no less memory, where its ZeRO-1 twin of the same
+    degrees is ``allowed`` (a constraint without ZeRO-1 leaves it no twin)."""
+    return 1 in allowed and deferred(zero_stage, dp, pipelined, uneven_counts)
+
+
 def bucket_count(params_local: float, dp: int) -> int:
     """Returns the number of gradient buckets of ``params_local`` parameters."""
     return max(1, math.ceil(params_local / max(BUCKET_PARAMS, 1e6 * dp)))

@@ -11,7 +11,7 @@ from hetplan.cluster import Cluster
 from hetplan.cost.estimate import estimate
 from hetplan.cost.estimate_result import Estimate
 from hetplan.cost.params import CostParams
-from hetplan.cost.sharding import deferred
+from hetplan.cost.sharding import dominated_by_zero1
 from hetplan.errors import InputError
 from hetplan.model import ModelSpec
 from hetplan.plan import Plan
@@ -110,8 +110,7 @@ def best_uniform(
                     zeros = tuple(z for z in c.zero_stage if z <= 3)
                 for rc in recomputes:
                     for zero in zeros:
-                        # ZeRO-1's time, more memory: dominated where ZeRO-1 is allowed
-                        if 1 in zeros and deferred(zero, dp, pp > 1, False):
+                        if dominated_by_zero1(zero, dp, pp > 1, False, zeros):
                             continue
                         sp = tp > 1 if c.sequence_parallel is None else c.sequence_parallel
                         plan = uniform_plan(

@@ -17,7 +17,7 @@ import numpy as np
 from hetplan.cost.estimate import p2p_wait_s
 from hetplan.cost.memory import stage_state
 from hetplan.cost.schedule import peak_in_flight
-from hetplan.cost.sharding import deferred
+from hetplan.cost.sharding import dominated_by_zero1
 from hetplan.plan import RECOMPUTE, Pipeline, Plan, Stage
 from hetplan.search.het_bounds import chunk_times, closed_bound_s, pipeline_bound_s
 from hetplan.search.het_generation import SearchState
@@ -330,8 +330,7 @@ class Enumeration:
         uneven = len({m for _, m in sel}) > 1
         zeros = s.zeros_allowed(zero_choices(d))
         for z in zeros:
-            # ZeRO-1's time, more memory: dominated by the ZeRO-1 twin, where it is allowed
-            if 1 in zeros and deferred(z, d, pipelined, uneven):
+            if dominated_by_zero1(z, d, pipelined, uneven, zeros):
                 continue
             shards = d if z else 1
             bound = max(self.pipe_bound_s(i, m, shards) for i, m in sel)

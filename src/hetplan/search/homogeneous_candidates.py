@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 
 from hetplan.chunk_layout import lightened_chunks
 from hetplan.cluster import Cluster
-from hetplan.cost.sharding import deferred
+from hetplan.cost.sharding import dominated_by_zero1
 from hetplan.model import ModelSpec
 from hetplan.plan import Pipeline, Plan, Stage
 from hetplan.search.layout import even_layer_split, replica_shares, uniform_plan
@@ -79,7 +79,7 @@ def enumerate_candidates(
     model: ModelSpec, num_gpus: int, gpus_per_node: int, global_batch: int, space: SearchSpace
 ) -> Iterator[Candidate]:
     """Yields every candidate that passes divisibility rules (not memory)."""
-    zero1 = 1 in space.zero_stages  # else a deferred ZeRO-2/3 plan has no ZeRO-1 twin
+    zero1 = 1 in space.zero_stages  # else ZeRO-0 has no ZeRO-1 twin
     for tp in divisors(gpus_per_node):
         if space.tp and tp not in space.tp:
             continue
@@ -126,9 +126,9 @@ def enumerate_candidates(
                             continue
                         if zero == 0 and dp > 1 and space.zero0_has_twin and zero1:
                             continue
-                        if zero1 and deferred(zero, dp, pp > 1, len(counts) > 1):
-                            # dominated by ZeRO-1 of the same degrees, where the space has
-                            # it: pipelined, frameworks run ZeRO-2/3 with ZeRO-1's traffic
+                        if dominated_by_zero1(zero, dp, pp > 1, len(counts) > 1,
+                                              space.zero_stages):  # fmt: skip
+                            # pipelined, frameworks run ZeRO-2/3 with ZeRO-1's traffic
                             # and no less memory (DeepSpeed's pipeline engine refuses them;
                             # PyTorch's pipelining stages defer FSDP's gradient sync and
                             # resharding to the last micro-batch), and estimate prices them

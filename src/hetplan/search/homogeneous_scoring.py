@@ -90,13 +90,11 @@ class _Layout:
 class _Terms:
     """Per stage of a candidate's pipeline 0, the lower-bounded times its bounds combine."""
 
-    nodes: list[Node]
     sends: list[float]
     """The quickest transfer out of each stage (0 out of the last without interleaving)."""
     fwd: list[float] = field(default_factory=list)
     b_side: list[float] = field(default_factory=list)
     """Backward, recomputation, TP collectives and ZeRO-2/3's per-micro-batch collectives."""
-    waits: list[float] = field(default_factory=list)
     fills: list[float] = field(default_factory=list)
     per: list[float] = field(default_factory=list)
     own: list[float] = field(default_factory=list)
@@ -394,7 +392,10 @@ class Scorer:
         m = most_micro_batches(self.global_batch, c.dp, c.micro_batch)  # the busiest replica
         if not sync:
             return self._first_bound(c, m)
-        t = self._terms(c, m)
+        return self._combined_s(c, m, self._terms(c, m))
+
+    def _combined_s(self, c: Candidate, m: int, t: _Terms) -> float:
+        """Returns ``bound_s`` from the candidate's terms."""
         p, own = c.pp, t.own
         # a stage's last backward ends after its own work, and after the next stage's last
         # backward, the transfer back and its own quickest backward chunk; then its
@@ -458,7 +459,7 @@ class Scorer:
             bwd_c.append(bc)
         rep = memo_replay(c.schedule, m, v, fwd_c, bwd_c, sends)
         tail = max(e + x for e, x in zip(rep.last_backward_end_s, t.tails, strict=True))
-        return max(self.bound_s(c), (tail + t.scalar) * (1.0 - 1e-9))
+        return max(self._combined_s(c, m, t), (tail + t.scalar) * (1.0 - 1e-9))
 
     def _terms(self, c: Candidate, m: int) -> _Terms:
         """Returns what ``bound_s`` and ``replay_bound_s`` read, per stage of pipeline 0."""
@@ -480,7 +481,7 @@ class Scorer:
             lo_sends.append(0.0)
             hi_sends.append(0.0)
         split = self.shape(c).split
-        t = _Terms(nodes, lo_sends)
+        t = _Terms(lo_sends)
         f_acc = 0.0
         for j, node in enumerate(nodes):
             layers = split[j]
@@ -512,7 +513,6 @@ class Scorer:
                 exposed += exposed_sync_s(sync_s[g], window, share, overlap, lay.buckets[g])
             t.fwd.append(fwd)
             t.b_side.append(bwd + rc + tpc + zero_mb)
-            t.waits.append(wait)
             t.fills.append(f_acc)
             t.per.append(fwd + bwd + rc + tpc + zero_mb + wait)
             t.own.append(f_acc + m * t.per[-1])
