@@ -165,3 +165,29 @@ def test_a_gpu_count_the_batch_does_not_divide_runs_every_replica():
     assert best.iteration_time_s <= rated.iteration_time_s * (1 + 1e-9)
     assert best.iteration_time_s < 2.715 * 0.9
     assert sorted(p.batch_size for p in best_plan.pipelines) == sorted(shares)
+
+
+def test_degrees_whose_state_overflows_are_skipped_without_losing_a_fitting_plan():
+    # 13B on 64 T4s: ZeRO-0/1 at low TP x PP hold more weights, gradients and optimizer
+    # state than 16 GB, whatever the activations. Skipping those degrees unenumerated
+    # (provisioning) must leave the same fitting candidates and bounds, and every skipped
+    # candidate must overflow by estimate()'s own memory count
+    spec = load_model("gpt3-13b")
+    cl = parse_inline_cluster("T4:16x4")
+    full = score_candidates(spec, cl, 128, "fp16", sync=False)
+    fast = score_candidates(spec, cl, 128, "fp16", sync=False, exact_counts=False)
+    assert full.ranked and fast.ranked == full.ranked
+    assert fast.candidates < full.candidates * 0.8
+    kept = {c for _, c in fast.ranked}
+    skipped = [c for c in _all_candidates(spec, cl, 128) if c not in kept]
+    overflowing = [c for c in skipped if c.zero_stage <= 1 and c.tp * c.pp <= 4]
+    assert len(overflowing) > 20
+    for c in overflowing[:: max(1, len(overflowing) // 20)]:
+        plan = candidate_plan(spec, cl, c, 128, "fp16")
+        assert not estimate(plan, spec, cl).fits
+
+
+def _all_candidates(spec, cl, batch):
+    from hetplan.search.homogeneous_candidates import enumerate_candidates
+
+    return list(enumerate_candidates(spec, cl.num_gpus, cl.nodes[0].gpus, batch, SearchSpace()))

@@ -77,6 +77,7 @@ def search_homogeneous(
     weight: Callable[[Plan], float] | None = None,
     weight_floor: float = 1.0,
     cutoff: float = math.inf,
+    exact_counts: bool = True,
 ) -> SearchResult:
     """Returns the top-k plans for a cluster of one GPU type by estimate(), best first,
     deterministically.
@@ -102,13 +103,15 @@ def search_homogeneous(
     ``cutoff``: plans ranking above it (iteration time, x the weight) are not wanted: none
     is returned, and the visit stops once the bound passes it, so a search may return
     fewer plans, or none (``provision``: the front found so far dominates every plan of a
-    configuration slower than its cutoff)."""
+    configuration slower than its cutoff). ``exact_counts`` False: ``score_candidates``
+    skips degrees whose state alone overflows memory (the counts read only the rest)."""
     params = params or default_params()
     space = space or SearchSpace()
     scorer = Scorer(model, cluster, precision, global_batch, params, flash_attention,
                      memo or SearchMemo(), space)  # fmt: skip
     sc = score_candidates(model, cluster, global_batch, precision, params, space,
-                          flash_attention, scorer=scorer, sync=False)  # fmt: skip
+                          flash_attention, scorer=scorer, sync=False,
+                          exact_counts=exact_counts)  # fmt: skip
     result = SearchResult([], sc.candidates, sc.fitting, sc.min_memory_bytes)
     floor = weight_floor if weight is not None else 1.0
     # (lower bound, tie-break, refinement, index): sorted by the cheap bound, hence a heap;

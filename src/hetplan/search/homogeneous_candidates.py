@@ -6,7 +6,7 @@ plans on ties."""
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 
 from hetplan.chunk_layout import lightened_chunks
@@ -76,9 +76,15 @@ class SearchSpace:
 
 
 def enumerate_candidates(
-    model: ModelSpec, num_gpus: int, gpus_per_node: int, global_batch: int, space: SearchSpace
+    model: ModelSpec,
+    num_gpus: int,
+    gpus_per_node: int,
+    global_batch: int,
+    space: SearchSpace,
+    overflows: Callable[[int, int, int, int], bool] | None = None,
 ) -> Iterator[Candidate]:
-    """Yields every candidate that passes divisibility rules (not memory)."""
+    """Yields every candidate that passes divisibility rules (not memory). ``overflows``:
+    also leaves out the (TP, PP, DP, ZeRO stage) it says no candidate of can fit."""
     zero1 = 1 in space.zero_stages  # else ZeRO-0 has no ZeRO-1 twin
     for tp in divisors(gpus_per_node):
         if space.tp and tp not in space.tp:
@@ -133,6 +139,8 @@ def enumerate_candidates(
                             # PyTorch's pipelining stages defer FSDP's gradient sync and
                             # resharding to the last micro-batch), and estimate prices them
                             # so (cost.sharding.deferred_sync; docs/search.md)
+                            continue
+                        if overflows is not None and overflows(tp, pp, dp, zero):
                             continue
                         for sched, v in schedules:
                             for sp in space.sequence_parallel:

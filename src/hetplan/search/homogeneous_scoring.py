@@ -176,18 +176,12 @@ class Scorer:
         its activations kept apart: candidates of one search share the state of their
         degrees and ZeRO stage, and node counts share the activations of their knobs and
         micro-batches per replica)."""
-        model, precision, memo = self.model, self.precision, self.memo
+        precision, memo = self.precision, self.memo
         m = most_micro_batches(self.global_batch, c.dp, c.micro_batch)  # the busiest replica's
         worst = 0.0
         for j in {0, c.pp - 1}:
             first, last = j == 0, j == c.pp - 1
-            skey = (c.tp, c.pp, c.dp, c.zero_stage, j, precision)
-            state = self.states.get(skey)
-            if state is None:
-                split = self.shape(c).split
-                w, g, o = stage_state(model, split[j], c.tp, first, last, c.pp == 1,
-                                      precision, c.zero_stage, c.dp)  # fmt: skip
-                state = self.states[skey] = w + g + o
+            state = self.state_bytes(c.tp, c.pp, c.dp, c.zero_stage, j)
             akey = (c.tp, c.pp, c.micro_batch, c.recompute, c.sequence_parallel, c.schedule,
                     c.virtual_stages, c.lightened, m, j, precision, self.flash)  # fmt: skip
             acts = memo.acts.get(akey)
@@ -204,6 +198,25 @@ class Scorer:
                 )  # fmt: skip
             worst = max(worst, state + acts + self.params.memory_reserve_bytes)
         return worst
+
+    def state_bytes(self, tp: int, pp: int, dp: int, zero: int, j: int) -> float:
+        """Returns the weights, gradients and optimizer state one GPU of stage ``j`` holds
+        (``memory.stage_state`` of the even split), memoised per degrees and ZeRO stage."""
+        skey = (tp, pp, dp, zero, j, self.precision)
+        state = self.states.get(skey)
+        if state is None:
+            split = even_layer_split(self.model.layers, pp)
+            w, g, o = stage_state(self.model, split[j], tp, j == 0, j == pp - 1, pp == 1,
+                                  self.precision, zero, dp)  # fmt: skip
+            state = self.states[skey] = w + g + o
+        return state
+
+    def state_overflows(self, tp: int, pp: int, dp: int, zero: int) -> bool:
+        """Returns whether the first or the last stage's state and the reserve alone exceed
+        the GPU's memory: then so does every candidate of these degrees and ZeRO stage,
+        whatever its activations (``peak_bytes`` adds them)."""
+        mem = self.cluster.nodes[0].gpu.memory_bytes - self.params.memory_reserve_bytes
+        return max(self.state_bytes(tp, pp, dp, zero, j) for j in {0, pp - 1}) > mem
 
     def layout(self, c: Candidate) -> _Layout:
         """Returns the layout of the candidate's degrees (built once per triple, from node
@@ -646,10 +659,14 @@ def score_candidates(
     memo: SearchMemo | None = None,
     scorer: Scorer | None = None,
     sync: bool = True,
+    exact_counts: bool = True,
 ) -> Scored:
     """Returns every fitting candidate with a lower bound of its estimate() time, smallest
     first (no estimate). ``memo`` may be shared by calls on clusters of the same node type.
-    ``sync`` False: the bound without the gradient reduction (``Scorer.bound_s``)."""
+    ``sync`` False: the bound without the gradient reduction (``Scorer.bound_s``).
+    ``exact_counts`` False: the degrees and ZeRO stages whose state alone overflows memory
+    (``Scorer.state_overflows``) are not enumerated, so ``candidates`` and
+    ``min_memory_bytes`` count only the rest (the fitting ones are the same)."""
     params = params or default_params()
     space = space or SearchSpace()
     if not cluster.is_homogeneous():  # (the bound reads one node's links for all)
@@ -667,7 +684,8 @@ def score_candidates(
     if scorer is None:
         scorer = Scorer(model, cluster, precision, global_batch, params, flash_attention,
                          memo or SearchMemo(), space)  # fmt: skip
-    for c in enumerate_candidates(model, n, gpn, global_batch, space):
+    overflows = None if exact_counts else scorer.state_overflows
+    for c in enumerate_candidates(model, n, gpn, global_batch, space, overflows):
         count += 1
         peak = scorer.peak_bytes(c)
         if peak > gpu.memory_bytes:

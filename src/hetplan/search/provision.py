@@ -222,7 +222,7 @@ def _single_types(job: ProvisionJob, offers: list[Offer], points: list[Point]) -
             cut = dominated_from_s(usd, points, at) / iterations(job) * (1 + 1e-9)
         search = partial(search_homogeneous, model, cluster, global_batch, precision,
                          params=params, space=space, flash_attention=flash, memo=memo,
-                         cutoff=cut)  # fmt: skip
+                         cutoff=cut, exact_counts=False)  # fmt: skip
 
         def ranked_by(
             k: int, search: partial[SearchResult] = search
