@@ -79,6 +79,63 @@ def test_extrapolated_replay_equals_exact(times, p, k, schedule, send):
     assert fast.makespan_s == pytest.approx(exact.makespan_s, rel=0.01)
 
 
+@settings(max_examples=30, deadline=None)
+@given(
+    p=st.integers(2, 12),
+    layers=st.lists(st.integers(1, 3), min_size=12, max_size=12),
+    sends=st.lists(st.floats(0.0, 0.6), min_size=12, max_size=12),
+    ends=st.tuples(st.floats(1.0, 1.6), st.floats(1.0, 2.0)),
+    extra=st.integers(1, 400),
+)
+def test_long_1f1b_run_continues_its_period_exactly(p, layers, sends, ends, extra):
+    # stages of 1-3 layers (an uneven split), the first and last heavier, any transfers:
+    # past the action limit a 1F1B run is continued from the period its replayed part
+    # shows; it must equal the stage-by-stage replay of the whole run, to rounding
+    import hetplan.cost.schedule as sched
+
+    fwd = [[0.1 * x] for x in layers[:p]]
+    bwd = [[0.2 * x] for x in layers[:p]]
+    fwd[0][0] *= ends[0]
+    bwd[-1][0] *= ends[1]
+    send = [*sends[: p - 1], 0.0]
+    m = 40 * p + extra
+    old = sched.EXACT_ACTION_LIMIT
+    sched.EXACT_ACTION_LIMIT = 2 * p * 12 * p
+    try:
+        fast = pipeline_replay("1F1B", m, 1, fwd, bwd, send)
+        periodic, _ = sched._periodic_replay(m, 12 * p, fwd, bwd, send)
+    finally:
+        sched.EXACT_ACTION_LIMIT = old
+    exact = replay("1F1B", m, 1, fwd, bwd, send, record=True)  # stage by stage
+    if periodic is not None:  # (where no period shows by then, the slope continues it)
+        for got in (periodic, fast):
+            assert got.makespan_s == pytest.approx(exact.makespan_s, rel=1e-9)
+            assert got.last_backward_start_s == pytest.approx(exact.last_backward_start_s, rel=1e-9)
+            assert got.last_backward_end_s == pytest.approx(exact.last_backward_end_s, rel=1e-9)
+            assert got.busy_s == pytest.approx(exact.busy_s, rel=1e-9)
+    else:
+        assert fast.makespan_s == pytest.approx(exact.makespan_s, rel=0.01)
+
+
+def test_periods_longer_than_two_keys_are_found():
+    # 5 stages of 1, 2, 1, 2, 1 layers with transfers: the steady state repeats only every
+    # few micro-batches, yet the continued run equals the whole replay
+    import hetplan.cost.schedule as sched
+
+    fwd = [[0.1 * x] for x in (1, 2, 1, 2, 1)]
+    bwd = [[0.2 * x] for x in (1, 2, 1, 2, 1)]
+    send = [0.05, 0.3, 0.05, 0.3, 0.0]
+    found = 0
+    for m in range(300, 340):
+        periodic, _ = sched._periodic_replay(m, 60, fwd, bwd, send)
+        exact = replay("1F1B", m, 1, fwd, bwd, send, record=True)
+        if periodic is not None:
+            found += 1
+            assert periodic.makespan_s == pytest.approx(exact.makespan_s, rel=1e-12)
+            assert periodic.last_backward_end_s == pytest.approx(exact.last_backward_end_s)
+    assert found == 40
+
+
 @pytest.mark.parametrize("schedule", ["GPipe", "1F1B"])
 def test_single_stage_shortcut_equals_replay(schedule):
     fast = pipeline_replay(schedule, 7, 1, [[0.3]], [[0.5]], [0.0])

@@ -168,6 +168,10 @@ class _Flat:
     dur: np.ndarray
     last: list[int]
     last_backward: list[int]
+    keys: np.ndarray
+    """Per position: the action's sort key."""
+    stages: np.ndarray
+    """Per position: the action's stage."""
 
 
 @lru_cache(maxsize=1024)
@@ -227,7 +231,44 @@ def _flat(schedule: str, p: int, m: int) -> _Flat:
     dur[pos] = 2 * stage + kind
     last = [int(pos[starts[s + 1] - 1]) for s in range(p)]
     last_b = [int(slot[1, s, m - 1]) for s in range(p)]
-    return _Flat(prev.tolist(), dep.tolist(), lat.tolist(), dur, last, last_b)
+    return _Flat(prev.tolist(), dep.tolist(), lat.tolist(), dur, last, last_b, key[order],
+                 stage[order])  # fmt: skip
+
+
+@dataclass(frozen=True)
+class _Keys:
+    """What ``_period`` reads of a flat order, per key (its sort key)."""
+
+    start: list[int]
+    """The position of the key's first action (one more entry: the number of actions)."""
+    steady: list[bool]
+    """Whether the key holds one action of every stage, in stage order, each waiting only
+    on actions of the key before (its stage's previous one and its dependency): 1F1B's
+    steady state, where the end times of one key follow from the key before alone."""
+    reach: list[int]
+    """The earliest position any action of this key or a later one waits on."""
+
+
+@lru_cache(maxsize=256)
+def _keys(schedule: str, p: int, m: int) -> _Keys:
+    """Returns ``_Keys`` of ``_flat(schedule, p, m)``."""
+    import numpy as np
+
+    fl = _flat(schedule, p, m)
+    key, n = fl.keys, fl.keys.size
+    start = np.searchsorted(key, np.arange(int(key[-1]) + 2))
+    size = np.diff(start)
+    prev, dep = np.asarray(fl.prev), np.asarray(fl.dep)
+    one_back = np.ones(n, dtype=bool)  # waits on nothing, or on the key before
+    for w in (prev, dep):
+        one_back &= (w < 0) | (key[np.maximum(w, 0)] == key - 1)
+    in_order = np.ones(n, dtype=bool)  # the first of its key, or after a lower stage
+    in_order[1:] = (key[1:] != key[:-1]) | (fl.stages[1:] > fl.stages[:-1])
+    whole = one_back & in_order
+    steady = (size == p) & (np.add.reduceat(whole.astype(int), start[:-1]) == size)
+    refs = np.minimum(np.where(prev >= 0, prev, n), np.where(dep >= 0, dep, n))
+    reach = np.minimum.accumulate(refs[::-1])[::-1][start[:-1]]
+    return _Keys(start.tolist(), steady.tolist(), reach.tolist())
 
 
 def _flat_replay(
@@ -236,10 +277,19 @@ def _flat_replay(
     """Returns ``replay``'s outcome for one chunk per stage: each action, in a topological
     order, ends at the later of its stage's previous action's end and its dependency's end
     plus the transfer, plus its duration (the same rule as the stage-by-stage replay)."""
+    p = len(fwd_s)
+    fl = _flat(schedule, p, m)
+    done = _flat_done(fl, fwd_s, bwd_s, send_s)
+    return _flat_outcome(fl, done, m, fwd_s, bwd_s)
+
+
+def _flat_done(
+    fl: _Flat, fwd_s: list[list[float]], bwd_s: list[list[float]], send_s: list[float]
+) -> list[float]:
+    """Returns every action's end time (in ``fl``'s order; one 0 s entry at the end)."""
     import numpy as np
 
     p = len(fwd_s)
-    fl = _flat(schedule, p, m)
     table = np.array([t for s in range(p) for t in (fwd_s[s][0], bwd_s[s][0])], dtype=float)
     durs = table[fl.dur].tolist()
     sends = [*send_s, 0.0]  # index -1: no transfer
@@ -248,11 +298,97 @@ def _flat_replay(
         t = done[pv]
         r = done[dp] + sends[lt]
         done[k] = (r if r > t else t) + d
-    ends = [done[k] for k in fl.last]
-    b_end = [done[k] for k in fl.last_backward]
+    return done
+
+
+def _flat_outcome(
+    fl: _Flat,
+    done: list[float],
+    m: int,
+    fwd_s: list[list[float]],
+    bwd_s: list[list[float]],
+    shift: float = 0.0,
+) -> Replay:
+    """Returns the replay's outcome from the end times, each moved by ``shift``."""
+    p = len(fwd_s)
+    ends = [done[k] + shift for k in fl.last]
+    b_end = [done[k] + shift for k in fl.last_backward]
     b_start = [e - bwd_s[s][0] for s, e in enumerate(b_end)]
     busy = [m * (fwd_s[s][0] + bwd_s[s][0]) for s in range(p)]
     return Replay(max(ends), b_start, b_end, busy, list(b_start))
+
+
+PERIOD_TOLERANCE = 1e-12
+"""Relative spread of the per-stage advances under which two keys count as one period."""
+MAX_PERIOD = 32
+"""The longest steady-state period looked for, in pairs of keys."""
+
+
+def _period(p: int, m: int, done: list[float]) -> tuple[int, int, float] | None:
+    """Returns, for 1F1B's replay of ``p`` stages on ``m`` micro-batches with end times
+    ``done``, the least c <= ``MAX_PERIOD`` and the earliest steady key k at which every
+    stage's end time is its end time 2c keys before plus one advance L, the keys between
+    steady and nothing after k waiting on an action before it: (k, c, L); None if none."""
+    import numpy as np
+
+    info = _keys("1F1B", p, m)
+    keys = np.nonzero(np.asarray(info.steady))[0]
+    if keys.size == 0:
+        return None
+    starts = np.asarray(info.start)[keys]
+    ends = np.asarray(done)[starts[:, None] + np.arange(p)]  # one row per steady key
+    # steady keys in a row up to each one (itself included)
+    breaks = np.ones(keys.size, dtype=bool)
+    breaks[1:] = np.diff(keys) != 1
+    first = np.maximum.accumulate(np.where(breaks, np.arange(keys.size), 0))
+    run = np.arange(keys.size) - first + 1
+    reach = np.asarray([*info.reach, len(done)])  # (past the last key: nothing waits)
+    clear = reach[keys + 1] >= starts  # nothing after key k waits before it
+    for c in range(1, MAX_PERIOD + 1):
+        if keys.size <= 2 * c:
+            break
+        adv = ends[2 * c :] - ends[: -2 * c]
+        spread = adv.max(axis=1) - adv.min(axis=1)
+        ok = (run[2 * c :] > 2 * c) & clear[2 * c :]
+        ok &= spread <= PERIOD_TOLERANCE * np.abs(ends[2 * c :]).max(axis=1)
+        hit = np.nonzero(ok)[0]
+        if hit.size:
+            return int(keys[hit[0] + 2 * c]), c, float(adv[hit[0]].mean())
+    return None
+
+
+def _periodic_replay(
+    m: int, m1: int, fwd_s: list[list[float]], bwd_s: list[list[float]], send_s: list[float]
+) -> tuple[Replay | None, Replay]:
+    """Returns 1F1B's replay of ``m`` micro-batches from the replay of ``m1`` < m, exactly,
+    where that one reaches a periodic steady state (else None), and the replay of ``m1``.
+
+    In 1F1B's steady state every stage runs one action per key (``_Keys.steady``), each
+    ending at the later of its stage's action of the key before and its dependency's (of
+    the key before) plus the transfer, plus its duration: the end times E_k of key k follow
+    from E_(k-1) alone, by a max-plus map that alternates between forwards and backwards.
+    Where E_k = E_(k-2c) + L on every stage, the keys between steady (``_period``), every
+    later steady key repeats 2c keys on plus L (the map commutes with adding L). A run of
+    m1 micro-batches and one of m have the same actions up to key k while k is steady in
+    both; with m - m1 a multiple of c the longer runs (m - m1) / c more periods and then
+    the same cool-down, which waits on nothing before key k. So every end time after k,
+    and the whole outcome, is the shorter run's plus (m - m1) L / c (tested against the
+    full replay)."""
+    p = len(fwd_s)
+    fl = _flat("1F1B", p, m1)
+    done = _flat_done(fl, fwd_s, bwd_s, send_s)
+    short = _flat_outcome(fl, done, m1, fwd_s, bwd_s)
+    found = _period(p, m1, done)
+    if found is None:
+        return None, short
+    _, c, advance = found
+    if (m - m1) % c:  # a run a multiple of c shorter has the same actions up to key k
+        m1 -= c - (m - m1) % c
+        fl = _flat("1F1B", p, m1)
+        done = _flat_done(fl, fwd_s, bwd_s, send_s)
+        if _period(p, m1, done) != found:  # k no longer in the shorter run
+            return None, short
+    return _flat_outcome(fl, done, m, fwd_s, bwd_s, (m - m1) // c * advance), short
 
 
 def _stagewise_replay(
@@ -332,8 +468,9 @@ def pipeline_replay(
 
     The makespan of a schedule is a piecewise-linear function of ``m`` that ends in
     a periodic regime; runs of more than EXACT_ACTION_LIMIT actions are replayed up to the
-    limit and continued at the slope of the last half of that run (an approximation
-    within about a per cent where the steady state's period is long; tested).
+    limit and continued: exactly where 1F1B's steady state shows its period in the run
+    replayed (``_periodic_replay``), else at the slope of the last half of that run (an
+    approximation within about a per cent where the steady state's period is long; tested).
     """
     p = len(fwd_s)
     if p == 1 and v == 1:
@@ -346,11 +483,16 @@ def pipeline_replay(
     m1 = max(8 * p, (EXACT_ACTION_LIMIT // (2 * p * v)) // p * p)
     if schedule != "Interleaved1F1B":
         m1 -= (m1 - m) % p
+    if schedule == "1F1B" and v == 1:  # exact where the replayed run shows its period
+        periodic, r1 = _periodic_replay(m, m1, fwd_s, bwd_s, send_s)
+        if periodic is not None:
+            return periodic
+    else:
+        r1 = replay(schedule, m1, v, fwd_s, bwd_s, send_s)
     # the slope over the last half of the replayed run: the steady state can repeat with a
     # period of several groups of p micro-batches, which a wide window averages out
     window = (m1 // 2) // p * p
     r0 = replay(schedule, m1 - window, v, fwd_s, bwd_s, send_s)
-    r1 = replay(schedule, m1, v, fwd_s, bwd_s, send_s)
     k = (m - m1) / window
 
     def ext(a: float, b: float) -> float:
