@@ -28,7 +28,8 @@ from hetplan.search.homogeneous_candidates import (
     lightens,
     tiebreak,
 )
-from hetplan.search.homogeneous_scoring import Scored, Scorer, SearchMemo, score_candidates
+from hetplan.search.homogeneous_memory import SearchMemo
+from hetplan.search.homogeneous_scoring import Scored, Scorer, score_candidates
 from hetplan.search.progress import ProgressHook, SearchProgress
 
 __all__ = [

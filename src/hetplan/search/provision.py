@@ -35,7 +35,7 @@ from hetplan.plan import Plan
 from hetplan.search.constraints import PlanConstraints, homogeneous_space, require_mixed_schedule
 from hetplan.search.homogeneous import SearchResult, search_homogeneous
 from hetplan.search.homogeneous_candidates import SearchSpace
-from hetplan.search.homogeneous_scoring import SearchMemo
+from hetplan.search.homogeneous_memory import SearchMemo
 from hetplan.search.progress import ProgressHook
 from hetplan.search.provision_batch import batch_floor_s
 from hetplan.search.provision_bounds import iteration_floor_s

@@ -1,0 +1,143 @@
+"""The homogeneous search's memory check: each candidate's per-GPU peak (the first and the
+last stage's weights, gradients and optimizer state, and their activations at the
+schedule's peak), from ``memory``'s own building blocks, with the caches (``SearchMemo``)
+that searches on clusters of one node type share; ``homogeneous_scoring`` adds the time
+bounds."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from hetplan.chunk_layout import lightened_chunks
+from hetplan.cluster import Cluster
+from hetplan.cost.memory import (
+    combine_activation_bytes,
+    held_chunks,
+    stage_params,
+    stage_state,
+)
+from hetplan.cost.params import CostParams
+from hetplan.cost.schedule import held_layers, peak_in_flight
+from hetplan.model import ModelSpec
+from hetplan.plan import element_bytes
+from hetplan.search.homogeneous_candidates import Candidate, SearchSpace, most_micro_batches
+from hetplan.search.layout import even_layer_split
+
+
+@dataclass(frozen=True)
+class Shape:
+    """Activation sizes of a candidate's stages (memory), independent of its DP degree."""
+
+    split: tuple[int, ...]
+    p_first: float
+    p_last: float
+    layer_act_bytes: float
+    """Activations one layer keeps per micro-batch."""
+    embed_act_bytes: float
+    head_act_bytes: float
+    working_act_bytes: float
+    """Full recomputation: one layer's activations rebuilt during its backward."""
+
+
+class SearchMemo:
+    """Caches of shapes, layouts and stage times, valid for one model, one node type (GPU,
+    GPUs per node, links) and one set of parameters; reusable across node counts."""
+
+    def __init__(self) -> None:
+        self.shapes: dict[tuple[object, ...], Shape] = {}
+        self.stages: dict[tuple[object, ...], tuple[float, float, float, float, float]] = {}
+        self.optimizer: dict[tuple[object, ...], float] = {}
+        self.sends: dict[tuple[object, ...], tuple[float, float]] = {}
+        self.first: dict[tuple[object, ...], tuple[list[float], list[float]]] = {}
+        self.acts: dict[tuple[object, ...], float] = {}
+
+
+@dataclass
+class MemoryScorer:
+    """The per-GPU memory peak of candidates on one cluster of one node type."""
+
+    model: ModelSpec
+    cluster: Cluster
+    precision: str
+    global_batch: int
+    params: CostParams
+    flash: bool
+    memo: SearchMemo
+    space: SearchSpace
+    states: dict[tuple[object, ...], float] = field(default_factory=dict)
+    """Per degrees, ZeRO stage and stage: the weights, gradients and optimizer state held."""
+
+    def shape(self, c: Candidate) -> Shape:
+        """Returns the candidate's activation sizes (they do not depend on its DP degree)."""
+        model, precision, flash, memo = self.model, self.precision, self.flash, self.memo
+        key = (c.tp, c.pp, c.micro_batch, c.recompute, c.sequence_parallel, precision, flash)
+        hit = memo.shapes.get(key)
+        if hit is not None:
+            return hit
+        mb = c.micro_batch
+        split = tuple(even_layer_split(model.layers, c.pp))
+        single = c.pp == 1
+        e = element_bytes(precision)
+        shape = Shape(
+            split=split,
+            p_first=stage_params(model, split[0], c.tp, True, single, single),
+            p_last=stage_params(model, split[-1], c.tp, single, True, single),
+            layer_act_bytes=mb
+            * model.layer_activation_bytes(c.tp, c.sequence_parallel, c.recompute, flash, e),
+            embed_act_bytes=mb * model.embedding_activation_bytes(c.tp, c.sequence_parallel, e),
+            head_act_bytes=mb * model.head_activation_bytes(c.tp, e),
+            working_act_bytes=(
+                mb * model.layer_activation_bytes(c.tp, c.sequence_parallel, "none", flash, e)
+                if c.recompute == "full"
+                else 0.0
+            ),
+        )
+        memo.shapes[key] = shape
+        return shape
+
+    def peak_bytes(self, c: Candidate) -> float:
+        """Returns the larger peak of the first and last stage of a candidate (its state and
+        its activations kept apart: candidates of one search share the state of their
+        degrees and ZeRO stage, and node counts share the activations of their knobs and
+        micro-batches per replica)."""
+        precision, memo = self.precision, self.memo
+        m = most_micro_batches(self.global_batch, c.dp, c.micro_batch)  # the busiest replica's
+        worst = 0.0
+        for j in {0, c.pp - 1}:
+            first, last = j == 0, j == c.pp - 1
+            state = self.state_bytes(c.tp, c.pp, c.dp, c.zero_stage, j)
+            akey = (c.tp, c.pp, c.micro_batch, c.recompute, c.sequence_parallel, c.schedule,
+                    c.virtual_stages, c.lightened, m, j, precision, self.flash)  # fmt: skip
+            acts = memo.acts.get(akey)
+            if acts is None:
+                shape = self.shape(c)
+                units = peak_in_flight(c.schedule, c.pp, m, c.virtual_stages, j)
+                split, v = shape.split, c.virtual_stages
+                light = lightened_chunks(split, v)[j] if c.lightened else None
+                chunks = held_chunks(split[j], v, first, light)
+                held = held_layers(c.schedule, c.pp, m, j, chunks) if chunks else None
+                acts = memo.acts[akey] = combine_activation_bytes(
+                    split[j], shape.layer_act_bytes, shape.embed_act_bytes,
+                    shape.head_act_bytes, shape.working_act_bytes, first, last, units, v, held,
+                )  # fmt: skip
+            worst = max(worst, state + acts + self.params.memory_reserve_bytes)
+        return worst
+
+    def state_bytes(self, tp: int, pp: int, dp: int, zero: int, j: int) -> float:
+        """Returns the weights, gradients and optimizer state one GPU of stage ``j`` holds
+        (``memory.stage_state`` of the even split), memoised per degrees and ZeRO stage."""
+        skey = (tp, pp, dp, zero, j, self.precision)
+        state = self.states.get(skey)
+        if state is None:
+            split = even_layer_split(self.model.layers, pp)
+            w, g, o = stage_state(self.model, split[j], tp, j == 0, j == pp - 1, pp == 1,
+                                  self.precision, zero, dp)  # fmt: skip
+            state = self.states[skey] = w + g + o
+        return state
+
+    def state_overflows(self, tp: int, pp: int, dp: int, zero: int) -> bool:
+        """Returns whether the first or the last stage's state and the reserve alone exceed
+        the GPU's memory: then so does every candidate of these degrees and ZeRO stage,
+        whatever its activations (``peak_bytes`` adds them)."""
+        mem = self.cluster.nodes[0].gpu.memory_bytes - self.params.memory_reserve_bytes
+        return max(self.state_bytes(tp, pp, dp, zero, j) for j in {0, pp - 1}) > mem
