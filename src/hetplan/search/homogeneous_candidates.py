@@ -97,6 +97,8 @@ def enumerate_candidates(
             dp = num_gpus // (tp * pp)
             if dp > global_batch or (space.dp and dp not in space.dp):
                 continue
+            # the ZeRO stages whose state alone overflows at these degrees (asked once)
+            full = {z for z in space.zero_stages if overflows and overflows(tp, pp, dp, z)}
             # where dp does not divide the batch, its micro-batches spread as evenly as
             # they go (``layout.replica_shares``): every GPU still runs a replica
             if global_batch % dp == 0:
@@ -140,7 +142,7 @@ def enumerate_candidates(
                             # resharding to the last micro-batch), and estimate prices them
                             # so (cost.sharding.deferred_sync; docs/search.md)
                             continue
-                        if overflows is not None and overflows(tp, pp, dp, zero):
+                        if zero in full:
                             continue
                         for sched, v in schedules:
                             for sp in space.sequence_parallel:
