@@ -232,7 +232,8 @@ def default_market_mix_bounds(console: Console) -> None:
     """Issue 14: how far the proven bounds alone take `provision --spot --mixes` on the default
     market (GPT-3 1.3B, 2e10 tokens): every (count, count) mix of every two spot offers,
     those no plan can finish (a spot run preempted faster than it progresses, too little
-    memory), and of the rest those the single-type front prunes at their bounds: with the
+    memory), those a dominating offer stands in for (``provision_dominance``: the RTX 4090
+    for the L4, the H200 for the H100), and of the rest those the single-type front prunes at their bounds: with the
     throughput, path and coupled floors alone, with the batch floor too (whole micro-batches,
     layers and GPUs: ``provision_batch``; the floors coupled size by size), then with the
     fewest-stages spot bound and the type-aware batch floor (``provision_mixbatch``); and those
@@ -247,6 +248,7 @@ def default_market_mix_bounds(console: Console) -> None:
     from hetplan.search import provision_mixes as mixes_mod
     from hetplan.search import provision_points as pts
     from hetplan.search.constraints import PlanConstraints
+    from hetplan.search.provision_dominance import dominators
     from hetplan.search.spot import SpotTerms
 
     model = load_model("gpt3-1.3b")
@@ -256,6 +258,7 @@ def default_market_mix_bounds(console: Console) -> None:
                            pricing="spot")  # fmt: skip
     offers = [o for o in load_market(None).offers if o.has_price("spot")]
     offers.sort(key=lambda o: o.price("spot") / max(pts.offer_floor(job, o).rate_flops))
+    job = dc_replace(job, dominated_by=dominators(job, offers))  # as provision() does
     start = time.process_time()
     points: list[pts.Point] = []
     prov._single_types(job, offers, points)
@@ -264,8 +267,10 @@ def default_market_mix_bounds(console: Console) -> None:
     old, _, _ = mixes_mod.mix_grid(job, offers, batch=False)
     old_s = time.process_time() - start
     start = time.process_time()
+    before_grid = job.dominated[0]
     grid, pairs, impossible = mixes_mod.mix_grid(job, offers)
     grid_s = time.process_time() - start
+    stood_in = job.dominated[0] - before_grid
     before = pts.front_cost(old.t_lb, points) > old.c_lb
     first = pts.front_cost(grid.t_lb, points) > grid.c_lb
     start = time.process_time()
@@ -274,13 +279,15 @@ def default_market_mix_bounds(console: Console) -> None:
     live = pts.front_cost(grid.t_lb, points) > grid.c_lb
     fastest = min(p.time_to_train_s for p in points)
     table = Table(title="Default market, spot mixes, GPT-3 1.3B: what the proven bounds decide")
-    for col in ("mixes", "no plan can finish", "bounded", "live: throughput, path, coupled",
+    for col in ("mixes", "no plan can finish", "dominated offer", "bounded",
+                "live: throughput, path, coupled",
                 "live: + batch floor", "live: + stage bound, type-aware batch floor",
                 "live with time bound < fastest single", "singles CPU s",
                 "bounds CPU s (without / with batch)", "stage + type-aware CPU s"):  # fmt: skip
         table.add_column(col)
     table.add_row(
-        f"{grid.t_lb.size + impossible:,}", f"{impossible:,}", f"{grid.t_lb.size:,}",
+        f"{grid.t_lb.size + impossible + stood_in:,}", f"{impossible:,}", f"{stood_in:,}",
+        f"{grid.t_lb.size:,}",
         f"{int(before.sum()):,}", f"{int(first.sum()):,}", f"{int(live.sum()):,}",
         f"{int((live & (grid.t_lb < fastest)).sum()):,}", f"{singles_s:.1f}",
         f"{old_s:.1f} / {grid_s:.1f}", f"{stage_s:.1f}",

@@ -7,7 +7,14 @@ from hetplan.cluster import parse_inline_cluster
 from hetplan.cost.dp_sync import sharded_microbatch_s
 from hetplan.cost.estimate import estimate
 from hetplan.cost.params import CostParams, GPUEfficiency
-from hetplan.cost.sharding import bucket_count, exposed_sync_s, zero3_exposed_s
+from hetplan.cost.sharding import (
+    bucket_count,
+    exposed_sync_s,
+    first_bucket_ready_s,
+    serial_end_s,
+    unhidden_sync_s,
+    zero3_exposed_s,
+)
 from hetplan.model import ModelSpec
 from hetplan.search.layout import uniform_plan
 
@@ -27,6 +34,74 @@ def test_buckets_queue_when_the_network_is_slower_than_the_backward():
 def test_no_overlap_exposes_everything_and_one_bucket_cannot_hide():
     assert exposed_sync_s(1.0, 5.0, 1.0, False, 4) == 1.0
     assert exposed_sync_s(1.0, 5.0, 1.0, True, 1) == 1.0
+
+
+def test_a_bucket_waits_for_the_slowest_member_that_holds_it():
+    # 4 buckets; member A's last backward runs 0-2 s, member B's 1-1.4 s: A's first bucket is
+    # ready at 0.5 s, B's at 1.1 s, so the first is ready everywhere at 1.1 s (B holds it
+    # back although B ends first); with B at 0-0.4 s A holds it back, at 0.5 s
+    assert first_bucket_ready_s([0.0, 1.0], [2.0, 1.4], 4) == pytest.approx(1.1)
+    assert first_bucket_ready_s([0.0, 0.0], [2.0, 0.4], 4) == pytest.approx(0.5)
+    # one bucket: ready when the last member ends
+    assert first_bucket_ready_s([0.0, 0.0], [2.0, 0.4], 1) == pytest.approx(2.0)
+
+
+def test_one_member_reads_as_the_backward_window():
+    # the end plus the exposure equals the release-ordered finish of one reduction: 4 buckets
+    # of a 1 s reduction over a 0.4 s backward ending at 3 s (the queueing case above): the
+    # first bucket at 2.7 s, 2.7 + 1.0 = 3.7 s = 3 + 0.7
+    first = first_bucket_ready_s([2.6], [3.0], 4)
+    assert max(first + 1.0, 3.0 + unhidden_sync_s(1.0, 1.0, True, 4)) == pytest.approx(
+        3.0 + exposed_sync_s(1.0, 0.4, 1.0, True, 4)
+    )
+    # what no window hides: the last bucket (0.25 s), or the share compute takes (0.6 s)
+    assert unhidden_sync_s(1.0, 1.0, True, 4) == pytest.approx(0.25)
+    assert unhidden_sync_s(1.0, 0.4, True, 4) == pytest.approx(0.6)
+    assert unhidden_sync_s(1.0, 1.0, False, 4) == 1.0
+
+
+def test_reductions_on_one_link_run_one_after_another_in_release_order():
+    # released at 1, 0 and 5 s with 2, 3 and 1 s of work: 0-3, 3-5, 5-6
+    assert serial_end_s([(1.0, 2.0), (0.0, 3.0), (5.0, 1.0)]) == pytest.approx(6.0)
+    # a late release waits for nothing: 0-3, then 10-11
+    assert serial_end_s([(0.0, 3.0), (10.0, 1.0)]) == pytest.approx(11.0)
+
+
+def test_replicas_of_different_speeds_reduce_from_the_first_bucket_ready_everywhere():
+    """Two single-stage replicas of GPT-3 1.3B at micro-batch 1, one on an A100, one on a T4:
+    the T4 computes longer, so the A100 waits and every bucket is ready only when the T4
+    makes it. The gradient sync then ends at the T4's first bucket plus the whole reduction,
+    or the T4's end plus what no window hides, whichever is later: the A100's short last
+    backward does not shrink the T4's window (it once did: the least window of the group)."""
+    from hetplan.cost.dp_sync import grad_sync_times, sync_layout
+    from hetplan.cost.params import default_params
+    from hetplan.model import load_model
+    from hetplan.plan import Pipeline, Plan, Stage
+
+    model = load_model("gpt3-1.3b")
+    cluster = parse_inline_cluster("A100-80GB:1x1,T4:1x1")
+    a, t = (n.name for n in cluster.nodes)
+    pipes = tuple(Pipeline(2, (Stage(model.layers, (f"{x}:0",)),)) for x in (a, t))
+    plan = Plan(4, 1, pipes, precision="fp16")
+    params = default_params()
+    est = estimate(plan, model, cluster, params, record=True)
+    fast, slow = sorted(est.stages, key=lambda s: s.last_backward_end_s)
+    node_of = {f"{n.name}:0": n for n in cluster.nodes}.__getitem__
+    (sync,) = grad_sync_times(sync_layout(plan, model, node_of), plan, params, model)
+    n = bucket_count(model.total_params(), 2)
+    assert n >= 2
+    # the T4's last backward, one micro-batch's: its buckets come 1/n of it apart
+    window = slow.backward_s
+    first = slow.last_backward_end_s - window + window / n
+    share = min(params.gpu(g).grad_overlap for g in ("A100-80GB", "T4"))
+    tail = max(sync / n, (1 - share) * sync)
+    expected = max(first + sync, slow.last_backward_end_s + tail)
+    assert fast.last_backward_end_s < first  # the A100 holds no bucket back
+    for st in (fast, slow):
+        assert st.sync_end_s == pytest.approx(expected, rel=1e-9)
+    # the group's least window (the A100's) would have exposed more
+    old = slow.last_backward_end_s + exposed_sync_s(sync, fast.backward_s, share, True, n)
+    assert old > expected * 1.01
 
 
 def test_bucket_size_follows_megatron_core():

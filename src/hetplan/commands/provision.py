@@ -266,12 +266,17 @@ def provision(
         f"{spec.name}, {n_tokens:.3g} tokens, {precision}, {res.pricing} prices{within}: "
         f"time-versus-cost front "
         f"({res.planned} configurations planned, {res.pruned} pruned by proven bounds, "
-        f"{res.impossible} with no possible plan, {_unexplored_note(res)}; "
+        f"{res.impossible} with no possible plan, {_dominated_note(res)}"
+        f"{_unexplored_note(res)}; "
         f"{res.search_time_s:.1f} s)"
     )
     out.print(front_table(res, title, constraints))
     if res.left_out:
         out.print(f"left out (no {res.pricing} price): {', '.join(res.left_out)}", highlight=False)
+    if res.dominated_by:
+        pairs = ", ".join(f"{name} by {by}" for name, by in res.dominated_by.items())
+        out.print(f"dominated offers (another is at least as good in every figure and no "
+                  f"dearer, so it stands in for them): {pairs}", highlight=False)  # fmt: skip
     if res.impossible_by_reason:
         from hetplan.search.provision import IMPOSSIBLE_REASONS
 
@@ -287,6 +292,13 @@ def provision(
         out.print(f"[bold red]no recommendation[/]: {res.reason}")
     else:
         out.print(f"recommended (*): {res.reason}")
+
+
+def _dominated_note(res: Any) -> str:
+    """Returns how many configurations a dominating offer stood in for ('' if none)."""
+    if not res.dominated:
+        return ""
+    return f"{res.dominated} left out as dominated by a better, no dearer offer, "
 
 
 def _unexplored_note(res: Any) -> str:

@@ -27,7 +27,13 @@ from hetplan.cost.memory import (
 from hetplan.cost.money import MoneyParts, node_parts
 from hetplan.cost.params import CostParams, default_params
 from hetplan.cost.schedule import Replay, held_layers, peak_in_flight, pipeline_replay, replay
-from hetplan.cost.sharding import bucket_count, deferred_sync, exposed_sync_s
+from hetplan.cost.sharding import (
+    bucket_count,
+    deferred_sync,
+    first_bucket_ready_s,
+    serial_end_s,
+    unhidden_sync_s,
+)
 from hetplan.cost.sources import ComputeSource, LayerTimeSource, combine_sources
 from hetplan.cost.trust import warnings_for
 from hetplan.hardware import GPUType
@@ -416,32 +422,42 @@ def estimate(
         by_pipe.append(row)
         stages.extend(row)
 
+    # per holder, its reductions (one per layer segment it shares) on its one link: each
+    # may start once its first bucket is ready on every member and takes its whole time;
+    # what no window hides (the last bucket, the share compute interferes with) follows
+    # its last gradient (``sharding``). One segment: ``exposed_sync_s`` after the end.
     sync_s: dict[tuple[int, int], float] = {}
-    exposed_s: dict[tuple[int, int], float] = {}
-    ready: dict[tuple[int, int], float] = {}
+    overlapped: dict[tuple[int, int], list[tuple[float, float]]] = {}
+    unhidden: dict[tuple[int, int], list[tuple[float, float]]] = {}
     for t, (n_params, holders) in zip(grad_sync_times(layout, plan, params, model), groups,
                                       strict=True):  # fmt: skip
         if len(holders) <= 1:
             continue
-        end = max(replays[r].last_backward_end_s[j] for r, j in holders)
-        window = min(
-            replays[r].last_backward_end_s[j] - replays[r].grads_ready_from_s[j] for r, j in holders
-        )
+        ends = [replays[r].last_backward_end_s[j] for r, j in holders]
+        end = max(ends)
         share = min(params.gpu(by_pipe[r][j].gpu).grad_overlap for r, j in holders)
         tp_min = min(plan.pipelines[r].stages[j].tp for r, j in holders)
         buckets = bucket_count(n_params / tp_min, len(holders))
-        exposed = exposed_sync_s(t, window, share, plan.overlap_grad_reduce, buckets)
+        released = first_bucket_ready_s(
+            [replays[r].grads_ready_from_s[j] for r, j in holders], ends, buckets
+        )
+        if not plan.overlap_grad_reduce:
+            released = end
+        tail = unhidden_sync_s(t, share, plan.overlap_grad_reduce, buckets)
         for h in holders:
             sync_s[h] = sync_s.get(h, 0.0) + t
-            exposed_s[h] = exposed_s.get(h, 0.0) + exposed
-            ready[h] = max(ready.get(h, 0.0), end)
+            overlapped.setdefault(h, []).append((released, t))
+            unhidden.setdefault(h, []).append((end, tail))
     # every step all-reduces two numbers over all devices, each rank waiting for it: the
     # gradient norm for clipping (before the optimizer) and the loss
     scalar = 2.0 * comm.scalar_allreduce_s(*layout.spread, params)
     for st in stages:
         key2 = (st.pipeline, st.stage)
         st.grad_sync_s = sync_s.get(key2, 0.0)
-        st.sync_end_s = max(st.last_backward_end_s, ready.get(key2, 0.0) + exposed_s.get(key2, 0))
+        st.sync_end_s = st.last_backward_end_s
+        if key2 in overlapped:
+            st.sync_end_s = max(st.sync_end_s, serial_end_s(overlapped[key2]),
+                                serial_end_s(unhidden[key2]))  # fmt: skip
         st.end_s = st.sync_end_s + st.optimizer_s + st.param_gather_s + scalar
 
     crit = max(stages, key=lambda s: s.end_s)

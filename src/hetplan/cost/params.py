@@ -79,11 +79,14 @@ class GPUEfficiency:
                 raise InputError(f"calibration.{name}", "must lie in [0, 1]")
 
 
-SAME_SILICON = {"V100-16GB": "V100-32GB"}
-"""GPU types that are one chip at the same clocks as another (the SXM2 V100 with 16 or 32 GB:
-same GV100, 300 W, 900 GB/s HBM2), which take its fitted efficiencies when they have none of
-their own: the efficiencies are shares of each type's own peaks. Not here: PCIe and SXM
-parts of one chip, whose power limits and clocks differ."""
+SAME_SILICON = {"V100-16GB": "V100-32GB", "H200-141GB": "H100-80GB"}
+"""GPU types that are one chip at the same clocks as another, which take its fitted
+efficiencies when they have none of their own: the efficiencies are shares of each type's
+own peaks. The SXM2 V100 with 16 or 32 GB: same GV100, 300 W, 900 GB/s HBM2. The SXM5 H200
+and H100: same GH100 at 700 W with the same 989 TFLOP/s dense BF16, NVLink4 switch and one
+400 Gb/s NIC per GPU in HGX nodes; the H200's HBM3e (141 GB, 4.8 TB/s) is a larger and
+faster memory, which its own datasheet figures carry (gpu_specs.csv). Not here: PCIe and
+SXM parts of one chip, whose power limits and clocks differ."""
 
 
 @dataclass(frozen=True)

@@ -86,6 +86,35 @@ def exposed_sync_s(t: float, window: float, share: float, overlap: bool, buckets
     return max(t / n, t - min(share * t, window * (n - 1) / n))
 
 
+def first_bucket_ready_s(starts: list[float], ends: list[float], buckets: int) -> float:
+    """Returns when the first of ``buckets`` equal gradient buckets is ready on every member
+    of a reduction whose members' last backward runs from ``starts`` to ``ends``: a bucket is
+    reduced once every member has it, so at the latest of the members' first buckets (with
+    one bucket, the latest end)."""
+    n = max(buckets, 1)
+    return max(s + (e - s) / n for s, e in zip(starts, ends, strict=True))
+
+
+def unhidden_sync_s(t: float, share: float, overlap: bool, buckets: int) -> float:
+    """Returns the part of a gradient reduction of ``t`` seconds that runs after the last
+    gradient whatever the window: the last bucket's reduction, and the ``1 - share`` that
+    cannot run beside compute (all of it without overlap). ``exposed_sync_s`` is the most
+    of this and what the window leaves."""
+    if not overlap or t <= 0:
+        return max(t, 0.0)
+    return max(t / max(buckets, 1), (1.0 - share) * t)
+
+
+def serial_end_s(jobs: list[tuple[float, float]]) -> float:
+    """Returns when one link done with ``jobs`` (release time, seconds of work), served in
+    release order, finishes: the most over k of the k-th release plus the work released
+    then or later. Never earlier for a later release or more work."""
+    end = -math.inf
+    for release, work in sorted(jobs):
+        end = max(end, release) + work
+    return end
+
+
 def zero3_exposed_s(
     gather_s: float,
     scatter_s: float,

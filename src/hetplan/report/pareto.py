@@ -50,6 +50,8 @@ def result_json(res: ProvisionResult, constraints: Constraints | None = None) ->
         "configurations_planned": res.planned,
         "configurations_pruned": res.pruned,
         "configurations_impossible": res.impossible,
+        "configurations_dominated": res.dominated,
+        "dominated_offers": [{"offer": name, "by": by} for name, by in res.dominated_by.items()],
         "pricing": res.pricing,
         "left_out": [{"offer": name, "reason": f"no {res.pricing} price"} for name in res.left_out],
         "owned_choice": res.owned_choice,

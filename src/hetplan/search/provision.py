@@ -39,6 +39,7 @@ from hetplan.search.homogeneous_memory import SearchMemo
 from hetplan.search.progress import ProgressHook
 from hetplan.search.provision_batch import batch_floor_s
 from hetplan.search.provision_bounds import iteration_floor_s
+from hetplan.search.provision_dominance import described, dominators, swap_cap
 from hetplan.search.provision_mixes import explore_mixes
 from hetplan.search.provision_points import (
     Point,
@@ -111,6 +112,11 @@ class ProvisionResult:
     """Offers left out because they state no price for ``pricing`` (by name)."""
     owned_choice: str = ""
     """With owned nodes: which of them the recommendation uses, and why."""
+    dominated: int = 0
+    """Configurations left out unplanned because a dominating offer's stand in for them
+    (``provision_dominance``): never on the front, whatever their plans."""
+    dominated_by: dict[str, str] = field(default_factory=dict)
+    """Per dominated offer, an offer that dominates it."""
 
 
 IMPOSSIBLE_REASONS = {
@@ -152,6 +158,7 @@ def _offer_counts(job: ProvisionJob, offer: Offer) -> _Counts:
         batch_floor_s(model, global_batch, [floor], counts, per_size=True),
     )
     it_lbs = it_lbs.min(axis=0)  # one micro-batch size per plan: the larger floor at each
+    cap = swap_cap(job.dominated_by, offer)
     rows: list[tuple[int, float, float, float]] = []
     for nodes in range(most, 0, -1):
         load = offer_load(offer, nodes, terms)
@@ -163,6 +170,9 @@ def _offer_counts(job: ProvisionJob, offer: Offer) -> _Counts:
         usd_hour = price * nodes * offer.gpus_per_node
         if job.max_usd_per_hour is not None and usd_hour > job.max_usd_per_hour:
             count_reason(job.impossible, "hourly_cap", 1)
+            continue
+        if nodes <= cap:  # a dominating offer's configuration of as many nodes stands in
+            job.dominated[0] += 1
             continue
         rows.append((nodes, iterations(job) * float(it_lbs[nodes]) * slow, slow, usd_hour))
     cols = [np.array(c, dtype=float) for c in zip(*rows, strict=True)] or [np.zeros(0)] * 4
@@ -381,6 +391,8 @@ def provision(
                        max_usd_per_hour=constraints.max_usd_per_hour)  # fmt: skip
     # cheapest effective FLOP first: the low-cost end of the front prunes the rest early
     offers.sort(key=lambda o: o.price(pricing) / max(offer_floor(job, o).rate_flops))
+    if owned is None:  # offers a better, no dearer one stands in for (provision_dominance)
+        job = replace(job, dominated_by=dominators(job, offers))
     left: list[Unexplored] = []
     if owned is not None:
         from hetplan.search.provision_owned import explain_owned, owned_first
@@ -409,6 +421,7 @@ def provision(
     return ProvisionResult(
         points, front, planned, pruned, time.process_time() - start, best, why,
         sum(reasons.values()), reasons, left, pricing, left_out,
+        dominated=job.dominated[0], dominated_by=described(job.dominated_by),
     )  # fmt: skip
 
 

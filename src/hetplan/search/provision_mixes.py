@@ -17,6 +17,7 @@ from hetplan.cost.estimate_result import Estimate
 from hetplan.market import Offer
 from hetplan.plan import Plan
 from hetplan.search.provision_bounds import iteration_floor_s
+from hetplan.search.provision_dominance import swap_cap
 from hetplan.search.provision_points import (
     Point,
     ProvisionJob,
@@ -111,6 +112,12 @@ def mix_grid(
             fits = need[where.ravel()] <= held[ok]
             count_reason(job.impossible, "memory", int((~fits).sum()))
             ok[ok] = fits
+            # a dominating offer (not the partner) stands in for the dominated one's nodes
+            stood_in = ok & ((na <= swap_cap(job.dominated_by, a, b))
+                             | (nb <= swap_cap(job.dominated_by, b, a)))  # fmt: skip
+            stood = int(stood_in.sum())
+            job.dominated[0] += stood
+            ok &= ~stood_in
             xs, ys = np.nonzero(ok)  # the iteration floor only where a plan could finish
             slow_ok = np.broadcast_to(slow, total.shape)[xs, ys]
             if batch:  # whole micro-batches, layers and GPUs, size by size
@@ -123,7 +130,7 @@ def mix_grid(
             fin = np.isfinite(t_lb)  # a rate of zero: no plan (never for a GPU type sold)
             count_reason(job.impossible, "compute", int((~fin).sum()))
             xs, ys, t_lb, slow_ok = xs[fin], ys[fin], t_lb[fin], slow_ok[fin]
-            impossible += int(total.size - xs.size)
+            impossible += int(total.size - xs.size) - stood
             pairs.append((a, b))
             parts.append((
                 np.full(xs.shape, len(pairs) - 1), xs + 1, ys + 1, t_lb,

@@ -109,6 +109,11 @@ class ProvisionJob:
     """No configuration costs more an hour (--max-usd-per-hour): a configuration above the
     cap is never planned, so it prunes none below it (a point dominated overall may be the
     best one under the cap)."""
+    dominated_by: dict[str, list[Offer]] = field(default_factory=dict)
+    """Per offer name, the offers that dominate it (``provision_dominance``): configurations
+    they stand in for are left out unplanned."""
+    dominated: list[int] = field(default_factory=lambda: [0])
+    """Configurations left out so far because a dominating offer stands in for them."""
 
     def tick(self, planned: int, pruned: int, best: list[Point]) -> None:
         """Counts configurations and tells ``progress`` (best: the fastest time to train)."""
