@@ -321,3 +321,26 @@ def test_a_failed_run_exits_non_zero():
     res = run("spmd", "run", "--module", "hetplan.no_such_module:fn", "--cluster", "T4:1x2",
               "--nproc", "1", "--steps", "1")  # fmt: skip
     assert res.returncode != 0, res.stderr
+
+
+def test_provision_names_the_dominated_offers(tmp_path):
+    """An L4 offer beside a no dearer RTX 4090 offer (faster in every figure, same node):
+    its configurations are left out, counted in the title and --json, and named on a line."""
+    market = tmp_path / "market.yaml"
+    market.write_text(
+        "offers:\n"
+        "  - {gpu: L4, gpus_per_node: 1, max_nodes: 2, on_demand_usd_per_gpu_hour: 0.8}\n"
+        "  - {gpu: RTX 4090, gpus_per_node: 1, max_nodes: 2, on_demand_usd_per_gpu_hour: 0.6}\n"
+    )
+    args = ("provision", "--model", "gpt2", "--tokens", "1e9", "--market", str(market))
+    res = run(*args, "--json")
+    assert res.returncode == 0, res.stderr
+    data = json.loads(res.stdout)
+    assert data["dominated_offers"] == [{"offer": "l4", "by": "rtx-4090"}]
+    assert data["configurations_dominated"] == 2
+    assert all("RTX 4090" in p["gpus"] for p in data["front"])
+    text = run(*args)
+    assert text.returncode == 0, text.stderr
+    words = " ".join(text.stdout.split())  # the title wraps
+    assert "2 left out as dominated by a better, no dearer offer" in words
+    assert "dominated offers" in words and "l4 by rtx-4090" in words
