@@ -233,9 +233,10 @@ def default_market_mix_bounds(console: Console) -> None:
     market (GPT-3 1.3B, 2e10 tokens): every (count, count) mix of every two spot offers,
     those no plan can finish (a spot run preempted faster than it progresses, too little
     memory), those a dominating offer stands in for (``provision_dominance``: the RTX 4090
-    for the L4, the H200 for the H100), and of the rest those the single-type front prunes at their bounds: with the
-    throughput, path and coupled floors alone, with the batch floor too (whole micro-batches,
-    layers and GPUs: ``provision_batch``; the floors coupled size by size), then with the
+    for the L4, the H200 for the H100), and of the rest those the single-type front prunes
+    at their bounds: with the throughput, path and coupled floors alone, with the batch
+    floor too (whole micro-batches, layers and GPUs: ``provision_batch``; the floors coupled
+    size by size), then with the
     fewest-stages spot bound and the type-aware batch floor (``provision_mixbatch``); and those
     whose time bound is below the fastest single-type point (no front point can prune them:
     they must be planned, or a tighter time bound found). CPU seconds of each step."""

@@ -30,7 +30,7 @@ small mixes, swapped) and the front against provisioning without pruning."""
 from __future__ import annotations
 
 from hetplan.market import Offer
-from hetplan.search.provision_points import ProvisionJob
+from hetplan.search.provision_points import ProvisionJob, gpu_memory
 
 PRECISIONS = ("fp32", "tf32", "bf16", "fp16")
 
@@ -43,8 +43,6 @@ def _peaks(offer: Offer) -> dict[str, float]:
 def at_least_as_good(job: ProvisionJob, a: Offer, b: Offer) -> bool:
     """Returns whether a node of offer ``a`` is at least as good as one of ``b`` in every
     figure the cost model and the spot terms read, at no higher price (module docstring)."""
-    from hetplan.search.provision_mixes import gpu_memory
-
     params = job.params
     if params.profile is not None or a.gpus_per_node != b.gpus_per_node:
         return False

@@ -27,6 +27,7 @@ from hetplan.search.provision_points import (
     dominated_from_s,
     front_cost,
     front_cost_at,
+    gpu_memory,
     iterations,
     offer_floor,
 )
@@ -140,11 +141,6 @@ def mix_grid(
     if not cols:
         cols = [np.zeros(0)] * 7
     return MixGrid(*cols), pairs, impossible
-
-
-def gpu_memory(job: ProvisionJob, offer: Offer) -> float:
-    """Returns the memory one GPU of the offer gives the search (after the user's headroom)."""
-    return float(job.limits.apply_to_cluster(offer.cluster(1)).nodes[0].gpu.memory_bytes)
 
 
 def explore_mixes(

@@ -144,6 +144,11 @@ def offer_floor(job: ProvisionJob, offer: Offer) -> TypeFloor:
                       job.precision, job.flash, node, job.limits.overlap_tp_comm)  # fmt: skip
 
 
+def gpu_memory(job: ProvisionJob, offer: Offer) -> float:
+    """Returns the memory one GPU of the offer gives the search (after the user's headroom)."""
+    return float(job.limits.apply_to_cluster(offer.cluster(1)).nodes[0].gpu.memory_bytes)
+
+
 def iterations(job: ProvisionJob) -> float:
     """Returns the optimizer steps the job's tokens take."""
     return job.tokens / (job.global_batch * job.model.seq)
