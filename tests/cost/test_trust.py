@@ -51,6 +51,24 @@ def test_gpu_without_fitted_terms_is_flagged():
     assert any("L4 has no fitted parameters" in w for w in est.warnings)
 
 
+def test_a_gpu_taking_its_chips_fitted_terms_says_so_and_is_held_to_its_runs(monkeypatch):
+    """The H200 takes the H100's fitted efficiencies (SAME_SILICON): its estimate names that
+    instead of the default-terms warning, and the H100's measured regime and best MFU
+    apply to it. Here the H100's runs reach PP 1 and an MFU of 0.05 only."""
+    monkeypatch.setattr(params_module, "SAME_SILICON", {"H200-141GB": "H100-80GB"})
+    cov = {"tp": [8], "pp": [1], "zero": [0, 1], "precision": ["bf16"], "max_gpus": 64,
+           "best_mfu": 0.05, "runs": 2}  # fmt: skip
+    params = CostParams(gpus={"H100-80GB": GPUEfficiency()},
+                        fit_report={"coverage": {"H100-80GB": cov}})  # fmt: skip
+    cluster = parse_inline_cluster("H200-141GB:1x8")
+    plan = uniform_plan(cluster, 24, 1, 2, 4, 1, 64, precision="bf16")
+    est = estimate(plan, load_model("gpt3-1.3b"), cluster, params)
+    assert not any("no fitted parameters" in w for w in est.warnings)
+    assert any("takes the fitted efficiencies of H100-80GB" in w for w in est.warnings)
+    assert any("H200-141GB" in w and "PP 2 (runs reach PP 1)" in w for w in est.warnings)
+    assert any("above the best measured" in w for w in est.warnings)
+
+
 def test_missing_shipped_calibration_is_an_error(monkeypatch, tmp_path):
     class _Empty:
         def joinpath(self, name):

@@ -136,6 +136,11 @@ class CostParams:
         """Returns whether GPU type ``name`` has fitted parameters (its own or its chip's)."""
         return self._fitted_as(name) is not None
 
+    def fitted_as(self, name: str) -> str | None:
+        """Returns the GPU type whose fitted parameters ``name`` takes (itself, or the same
+        chip's: ``SAME_SILICON``), or None."""
+        return self._fitted_as(name)
+
     def _fitted_as(self, name: str) -> str | None:
         """Returns the GPU type whose fitted parameters ``name`` takes, or None."""
         for key in (name, SAME_SILICON.get(name)):

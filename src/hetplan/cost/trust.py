@@ -67,12 +67,21 @@ def warnings_for(plan: Plan, est: Estimate, cluster: Cluster, params: CostParams
     gpus = {s.gpu for s in distinct}
     measured_gpus = {s.gpu for s in distinct if s.compute_source in ("measured", "interpolated")}
     best_any = max((c.get("best_mfu", 0.0) for c in coverage.values()), default=0.0)
+    # a type taking another's fitted terms (the same chip: SAME_SILICON) is held to that
+    # type's measured regime and MFU
+    held_to = {name: params.fitted_as(name) or name for name in gpus}
     for name in sorted(gpus):
-        cov = coverage.get(name)
-        if not params.fitted(name) and name not in measured_gpus:
+        source = params.fitted_as(name)
+        cov = coverage.get(name, coverage.get(held_to[name]))
+        if name not in measured_gpus and source is None:
             out.append(
                 f"{name} has no fitted parameters and no profile: default efficiencies "
                 "(use hetplan calibrate or --profile)"
+            )
+        elif name not in measured_gpus and source != name and name not in coverage:
+            out.append(
+                f"{name} takes the fitted efficiencies of {source} (the same chip at the same "
+                f"clocks); no measured run on {name} itself"
             )
         if cov is None:
             continue
@@ -93,8 +102,8 @@ def warnings_for(plan: Plan, est: Estimate, cluster: Cluster, params: CostParams
     # the best measured at the plan's precision where runs used it, else at any precision;
     # at the plan's scale where runs reached it (small jobs run at MFUs large ones never do)
     prec, n = plan.precision, regime["gpus"]
-    best = max((_best_mfu(coverage[g], prec, n) for g in gpus if g in coverage),
-               default=best_any)  # fmt: skip
+    best = max((_best_mfu(coverage[held_to[g]], prec, n) for g in gpus
+                if held_to[g] in coverage), default=best_any)  # fmt: skip
     if best > 0 and est.mfu > best * MFU_SLACK:
         out.append(
             f"predicted MFU {est.mfu:.2f} is above the best measured on these GPUs at this "
