@@ -438,11 +438,10 @@ def estimate(
         share = min(params.gpu(by_pipe[r][j].gpu).grad_overlap for r, j in holders)
         tp_min = min(plan.pipelines[r].stages[j].tp for r, j in holders)
         buckets = bucket_count(n_params / tp_min, len(holders))
+        # (without overlap the tail is the whole reduction after the end, which bounds this)
         released = first_bucket_ready_s(
             [replays[r].grads_ready_from_s[j] for r, j in holders], ends, buckets
         )
-        if not plan.overlap_grad_reduce:
-            released = end
         tail = unhidden_sync_s(t, share, plan.overlap_grad_reduce, buckets)
         for h in holders:
             sync_s[h] = sync_s.get(h, 0.0) + t

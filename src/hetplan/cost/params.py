@@ -129,20 +129,16 @@ class CostParams:
     def gpu(self, name: str) -> GPUEfficiency:
         """Returns the efficiency parameters of GPU type ``name``: its fitted ones, else
         those of the same chip at the same clocks (``SAME_SILICON``), else the default."""
-        key = self._fitted_as(name)
+        key = self.fitted_as(name)
         return self.default if key is None else self.gpus[key]
 
     def fitted(self, name: str) -> bool:
         """Returns whether GPU type ``name`` has fitted parameters (its own or its chip's)."""
-        return self._fitted_as(name) is not None
+        return self.fitted_as(name) is not None
 
     def fitted_as(self, name: str) -> str | None:
         """Returns the GPU type whose fitted parameters ``name`` takes (itself, or the same
         chip's: ``SAME_SILICON``), or None."""
-        return self._fitted_as(name)
-
-    def _fitted_as(self, name: str) -> str | None:
-        """Returns the GPU type whose fitted parameters ``name`` takes, or None."""
         for key in (name, SAME_SILICON.get(name)):
             if key in self.gpus:
                 return key

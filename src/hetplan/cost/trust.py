@@ -69,9 +69,10 @@ def warnings_for(plan: Plan, est: Estimate, cluster: Cluster, params: CostParams
     best_any = max((c.get("best_mfu", 0.0) for c in coverage.values()), default=0.0)
     # a type taking another's fitted terms (the same chip: SAME_SILICON) is held to that
     # type's measured regime and MFU
-    held_to = {name: params.fitted_as(name) or name for name in gpus}
+    sources = {name: params.fitted_as(name) for name in gpus}
+    held_to = {name: source or name for name, source in sources.items()}
     for name in sorted(gpus):
-        source = params.fitted_as(name)
+        source = sources[name]
         cov = coverage.get(name, coverage.get(held_to[name]))
         if name not in measured_gpus and source is None:
             out.append(
