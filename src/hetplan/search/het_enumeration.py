@@ -16,10 +16,10 @@ import numpy as np
 
 from hetplan.cost.estimate import p2p_wait_s
 from hetplan.cost.memory import stage_state
-from hetplan.cost.schedule import peak_in_flight
+from hetplan.cost.schedule import peak_in_flight, warmup_forwards
 from hetplan.cost.sharding import dominated_by_zero1
 from hetplan.plan import RECOMPUTE, Pipeline, Plan, Stage
-from hetplan.search.het_bounds import chunk_times, closed_bound_s, pipeline_bound_s
+from hetplan.search.het_bounds import chunk_times, pipeline_bound_s
 from hetplan.search.het_generation import SearchState
 from hetplan.search.het_pool import CandidatePool
 from hetplan.search.het_space import (
@@ -68,6 +68,18 @@ def enumerate_all(state: SearchState, budget: int = ENUMERATION_BUDGET) -> bool:
         if not enum.place(bound, sel, z, sp):
             return False
     return True
+
+
+def held_units(gpipe: bool, interleaved: bool, v: int, warm: list[int], m: int) -> list[int]:
+    """Returns ``peak_in_flight`` of every stage at ``m`` micro-batches from the stages'
+    uncapped warm-up forwards ``warm`` (``Enumeration._warmups``): GPipe holds all m v
+    chunk-micro-batches; the others their warm-up (at most m v interleaved, m otherwise)
+    plus one, at most m v."""
+    mv = m * v
+    if gpipe:
+        return [mv] * len(warm)
+    cap = mv if interleaved else m
+    return [min(min(w, cap) + 1, mv) for w in warm]
 
 
 class _Budget:
@@ -122,12 +134,17 @@ class Enumeration:
         self.most = int(min(self.avail.sum(), self.total))
         self.pipes: list[_Pipe] = []
         self.items: list[tuple[int, tuple[int, ...], list[tuple[int, float]]]] = []
-        self._cover: dict[tuple[int, ...], int] = {}
-        self._fit: dict[tuple[int, ...], list[int]] = {}
-        """Per vector of free TP groups: the items whose pipeline fits in them."""
+        self._cover: list[int] = []
+        """Per vector of free TP groups (its index): the most micro-batches they can run."""
+        self._fit: dict[int, list[int]] = {}
+        """Per vector of free TP groups (its index): the items whose pipeline fits in them."""
+        self._fits: np.ndarray = np.zeros((0, 0), dtype=bool)
+        self._offset: list[int] = []
+        """Per item: the index its pipeline's TP groups take off a free vector's."""
         self._opt: dict[tuple[object, ...], float] = {}
         self._bound: dict[tuple[object, ...], float] = {}
         self._acts: dict[tuple[object, ...], float] = {}
+        self._warm: dict[int, list[int]] = {}
 
     def opt_s(
         self, k: int, layers: int, first: bool, last: bool, single: bool, shards: int
@@ -155,16 +172,33 @@ class Enumeration:
         sequence parallelism on wherever TP > 1 (it never adds memory)."""
         k = self.knobs
         p = len(pipe.classes)
+        units = [peak_in_flight(k.schedule, p, m, k.virtual_stages, j) for j in range(p)]
+        return self.fits_held(pipe, units, state)
+
+    def fits_held(self, pipe: _Pipe, units: list[int], state: list[float]) -> bool:
+        """Returns whether every stage fits holding ``units[j]`` chunk-micro-batches of
+        activations at its peak (``peak_in_flight``) and these state bytes."""
+        p = len(pipe.classes)
         for j, (c, x) in enumerate(zip(pipe.classes, pipe.layers, strict=True)):
             t = self.tables[c]
-            units = peak_in_flight(k.schedule, p, m, k.virtual_stages, j)
-            key = (c, x, j == 0, j == p - 1, units, t.tp > 1)
+            key = (c, x, j == 0, j == p - 1, units[j], t.tp > 1)
             acts = self._acts.get(key)
             if acts is None:
                 acts = self._acts[key] = t.activation_bytes(x, *key[2:])
             if state[j] + acts + t.reserve_bytes > t.cls.gpu.memory_bytes:
                 return False
         return True
+
+    def _warmups(self, p: int) -> list[int]:
+        """Returns each of ``p`` stages' warm-up forwards before the count caps them
+        (``warmup_forwards`` at a count past every stage's: not for GPipe)."""
+        hit = self._warm.get(p)
+        if hit is None:
+            k = self.knobs
+            big = p * (p + k.virtual_stages + 2)  # more micro-batches than any warm-up
+            hit = self._warm[p] = [warmup_forwards(k.schedule, p, big, k.virtual_stages, j)
+                                   for j in range(p)]  # fmt: skip
+        return hit
 
     def pipe_bound_s(self, i: int, m: int, shards: int) -> float:
         """Returns the replay bound of pipeline ``i`` running ``m`` micro-batches."""
@@ -242,18 +276,48 @@ class Enumeration:
         memory of any ZeRO choice and its bound, with the least optimizer step, beats the
         cutoff (both only grow with the count)."""
         cut = self.s.cutoff_s
+        k = self.knobs
+        v, gpipe = k.virtual_stages, k.schedule == "GPipe"
+        interleaved = k.schedule == "Interleaved1F1B" and v > 1
+        least_opt: dict[tuple[int, int, bool, bool, bool], float] = {}
         for i, pipe in enumerate(self.pipes):
             step = self.step(pipe)
-            opt = [
-                min(self.opt_s(c, x, j == 0, j == len(pipe.classes) - 1,
-                               len(pipe.classes) == 1, sh) for sh in (1, self.most))
-                for j, (c, x) in enumerate(zip(pipe.classes, pipe.layers, strict=True))
-            ]  # fmt: skip
+            p = len(pipe.classes)
+            # ``closed_bound_s``'s terms per stage, once: the same operations per count
+            terms = []
+            f_acc = b_acc = 0.0
+            for j, (c, x) in enumerate(zip(pipe.classes, pipe.layers, strict=True)):
+                key = (c, x, j == 0, j == p - 1, p == 1)
+                opt = least_opt.get(key)
+                if opt is None:
+                    opt = least_opt[key] = min(self.opt_s(*key, sh) for sh in (1, self.most))
+                fc, bc = pipe.fwd_c[j], pipe.bwd_c[j]
+                terms.append((f_acc, sum(fc) + sum(bc), opt, b_acc))
+                f_acc += fc[0] + pipe.sends[j]
+                b_acc += bc[0] + pipe.sends[j]
+            opt0 = terms[0][2]
             ms: list[tuple[int, float]] = []
+            held: list[int] = []
+            saturated = False
+            warm = self._warmups(p)
             for m in range(step, self.total + 1, step):
-                if not self.fits(pipe, m, pipe.state_floor):
-                    break  # memory only grows with more micro-batches in flight
-                b = closed_bound_s(m, pipe.fwd_c, pipe.bwd_c, pipe.sends, opt)
+                # memory reads the count only through each stage's micro-batches in flight
+                # (``peak_in_flight``) and only grows with them; GPipe holds all m v, the
+                # others at most their warm-up + 1, which they keep once they reach it
+                if not saturated:
+                    now = held_units(gpipe, interleaved, v, warm, m)
+                    if now != held:
+                        if not self.fits_held(pipe, now, pipe.state_floor):
+                            break  # memory only grows with more micro-batches in flight
+                        held = now
+                    else:
+                        saturated = not gpipe
+                out = last = 0.0
+                for start, per, opt, back in terms:
+                    own = start + m * per
+                    out = max(out, own + opt)
+                    last = max(last, own + back)
+                b = max(out, last + opt0) * (1.0 - 1e-9)  # closed_bound_s(m, ...)
                 if b >= cut:
                     break  # and so does the closed-form bound
                 ms.append((m, b))
@@ -271,41 +335,55 @@ class Enumeration:
         states = math.prod(a + 1 for a in avail)
         if not self.work.spend(states * len(self.items)):
             return False
-        self._cover = self._cover_table(avail)
-        return self._dfs(0, 0, self.total, avail, [])
+        self._cover_table(avail)
+        return self._dfs(0, 0, self.total, states - 1, [])
 
-    def _cover_table(self, avail: tuple[int, ...]) -> dict[tuple[int, ...], int]:
-        """Returns, per vector of free TP groups, the most micro-batches pipelines built
-        from them can run while each one's bound beats the cutoff (a knapsack)."""
-        out: dict[tuple[int, ...], int] = {}
-        for free in itertools.product(*(range(a + 1) for a in avail)):
-            best = 0
-            fit = []
-            for idx, (_, counts, ms) in enumerate(self.items):
-                rest = tuple(f - c for f, c in zip(free, counts, strict=True))
-                if min(rest) >= 0:
-                    best = max(best, ms[-1][0] + out[rest])
-                    fit.append(idx)
-            out[free] = best
-            self._fit[free] = fit
-        return out
+    def _cover_table(self, avail: tuple[int, ...]) -> None:
+        """Tabulates, per vector of free TP groups (by its index in row-major order of the
+        vectors up to ``avail``), the pipelines that fit in them and the most micro-batches
+        pipelines built from them can run while each one's bound beats the cutoff (a
+        knapsack: a vector's value from those of smaller vectors, which come before it)."""
+        shape = [a + 1 for a in avail]
+        strides = np.array([math.prod(shape[c + 1 :]) for c in range(len(shape))], np.int64)
+        counts = np.array([c for _, c, _ in self.items], dtype=np.int64)
+        most = np.array([ms[-1][0] for _, _, ms in self.items], dtype=np.int64)
+        self._offset = (counts @ strides).tolist()
+        free = np.array(list(itertools.product(*(range(n) for n in shape))), dtype=np.int64)
+        fits: np.ndarray = np.all(counts[None, :, :] <= free[:, None, :], axis=2)
+        cover = np.zeros(len(free), dtype=np.int64)
+        offset = np.asarray(self._offset, dtype=np.int64)
+        for k in range(1, len(free)):
+            idx = np.flatnonzero(fits[k])
+            if idx.size:
+                cover[k] = (most[idx] + cover[k - offset[idx]]).max()
+        self._cover = cover.tolist()
+        self._fits = fits
+        self._fit = {}
+
+    def _fit_of(self, free: int) -> list[int]:
+        """Returns the items whose pipeline fits in free vector ``free``, ascending."""
+        hit = self._fit.get(free)
+        if hit is None:
+            hit = self._fit[free] = np.flatnonzero(self._fits[free]).tolist()
+        return hit
 
     def _dfs(
-        self, start: int, m0: int, left: int, free: tuple[int, ...], chosen: list[tuple[int, int]]
+        self, start: int, m0: int, left: int, free: int, chosen: list[tuple[int, int]]
     ) -> bool:
         """Extends a multiset of (pipeline, micro-batches), in canonical order, until the
-        micro-batches are all placed; False when the budget ran out."""
+        micro-batches are all placed (``free``: the index of the free TP groups' vector);
+        False when the budget ran out."""
         if left == 0:
             return self._complete(chosen)
         if len(chosen) >= self.most or self._cover[free] < left:
             return True
-        fit = self._fit[free]
+        fit = self._fit_of(free)
         for pos in range(bisect.bisect_left(fit, start), len(fit)):
             if not self.work.spend():
                 return False
             idx = fit[pos]
-            i, counts, ms = self.items[idx]
-            rest = tuple(f - c for f, c in zip(free, counts, strict=True))
+            i, _, ms = self.items[idx]
+            rest = free - self._offset[idx]
             for m, b in ms:
                 if idx == start and m < m0:
                     continue
