@@ -11,6 +11,8 @@ import heapq
 import itertools
 import math
 from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any
 
 import numpy as np
 
@@ -68,6 +70,18 @@ def enumerate_all(state: SearchState, budget: int = ENUMERATION_BUDGET) -> bool:
         if not enum.place(bound, sel, z, sp):
             return False
     return True
+
+
+VECTOR_SPLITS = 64
+"""Splits of one pipeline shape from which ``build_pipes`` screens them with numpy first."""
+
+
+@lru_cache(maxsize=256)
+def split_table(layers: int, stages: int, unit: int) -> tuple[list[tuple[int, ...]], np.ndarray]:
+    """Returns ``layer_splits(layers, stages, unit)`` and the same as an array (a row a
+    split), kept for the searches that ask again."""
+    splits = layer_splits(layers, stages, unit)
+    return splits, np.array(splits, dtype=np.int64).reshape(len(splits), stages)
 
 
 def held_units(gpipe: bool, interleaved: bool, v: int, warm: list[int], m: int) -> list[int]:
@@ -226,6 +240,29 @@ class Enumeration:
         cut = s.cutoff_s
         chunks: dict[tuple[object, ...], tuple[list[float], list[float], float, float]] = {}
         floors: dict[tuple[object, ...], float] = {}
+
+        def hit_of(c: int, x: int, j: int, p: int, wait: float) -> tuple[Any, ...]:
+            key = (c, x, j == 0, j == p - 1, wait)
+            hit = chunks.get(key)
+            if hit is None:
+                t = self.tables[c]
+                f, b = t.stage_fb(x, j == 0, j == p - 1)
+                fc, bc = chunk_times(f, b, wait, v, t.parts(j == 0, j == p - 1))
+                hit = chunks[key] = (fc, bc, sum(fc), sum(bc))
+            return hit
+
+        def floor_of(c: int, x: int, j: int, p: int) -> float:
+            fkey = (c, x, j == 0, j == p - 1, p == 1)
+            least = floors.get(fkey)
+            if least is None:
+                t = self.tables[c]
+                least = floors[fkey] = min(
+                    sum(stage_state(s.model, x, t.tp, j == 0, j == p - 1, p == 1, k.precision,
+                                    z, self.most if z else 1))
+                    for z in zs
+                )  # fmt: skip
+            return least
+
         for seq in shapes:
             p = len(seq)
             counts = np.array([seq.count(c) for c in range(len(self.tables))], dtype=np.int64)
@@ -234,42 +271,58 @@ class Enumeration:
             ]  # fmt: skip
             waits = [p2p_wait_s(sends, j, v, self.tables[c].p2p_exposed) for j, c in enumerate(seq)]
             m = p if v > 1 and p > 1 else 1  # the fewest micro-batches it may run
-            for split in layer_splits(layers, p, v):
-                hits = []
+            splits, grid = split_table(layers, p, v)
+            keep: list[int] | range = range(len(splits))
+            if len(splits) >= VECTOR_SPLITS:
+                keep = self._fast_splits(seq, grid, waits, sends, m, cut, hit_of)
+            for q in keep:
+                split = splits[q]
+                pairs = list(enumerate(zip(seq, split, strict=True)))
+                hits = [hit_of(c, x, j, p, waits[j]) for j, (c, x) in pairs]
+                # the closed-form bound at the fewest micro-batches, optimizer left out
                 f_acc = b_acc = low = 0.0
-                for j, (c, x) in enumerate(zip(seq, split, strict=True)):
-                    first, last = j == 0, j == p - 1
-                    key = (c, x, first, last, waits[j])
-                    hit = chunks.get(key)
-                    if hit is None:
-                        t = self.tables[c]
-                        f, b = t.stage_fb(x, first, last)
-                        fc, bc = chunk_times(f, b, waits[j], v, t.parts(first, last))
-                        hit = chunks[key] = (fc, bc, sum(fc), sum(bc))
-                    hits.append(hit)
-                    # the closed-form bound at the fewest micro-batches, optimizer left out
+                for j, hit in enumerate(hits):
                     low = max(low, f_acc + m * (hit[2] + hit[3]) + b_acc)
                     f_acc += hit[0][0] + sends[j]
                     b_acc += hit[1][0] + sends[j]
                 if low * (1.0 - 1e-9) >= cut:
                     continue
-                floor: list[float] = []
-                for j, (c, x) in enumerate(zip(seq, split, strict=True)):
-                    first, last = j == 0, j == p - 1
-                    fkey = (c, x, first, last, p == 1)
-                    least = floors.get(fkey)
-                    if least is None:
-                        t = self.tables[c]
-                        least = floors[fkey] = min(
-                            sum(stage_state(s.model, x, t.tp, first, last, p == 1,
-                                            k.precision, z, self.most if z else 1))
-                            for z in zs
-                        )  # fmt: skip
-                    floor.append(least)
+                floor = [floor_of(c, x, j, p) for j, (c, x) in pairs]
                 fwd = [h[0] for h in hits]
                 bwd = [h[1] for h in hits]
                 self.pipes.append(_Pipe(seq, split, counts, fwd, bwd, sends, floor))
         return True
+
+    def _fast_splits(
+        self,
+        seq: tuple[int, ...],
+        grid: np.ndarray,
+        waits: list[float],
+        sends: list[float],
+        m: int,
+        cut: float,
+        hit_of: Any,
+    ) -> list[int]:
+        """Returns the splits (rows of ``grid``, layers per stage) of pipeline shape ``seq``
+        whose closed-form bound at ``m`` micro-batches beats ``cut``, all at once: the same
+        operations as ``build_pipes``' own, so the same numbers (which it checks again)."""
+        p = len(seq)
+        f_acc: Any = 0.0
+        b_acc: Any = 0.0
+        low: Any = 0.0
+        for j, c in enumerate(seq):
+            xs = np.unique(grid[:, j])
+            first = np.zeros(xs[-1] + 1)
+            back = np.zeros(xs[-1] + 1)
+            both = np.zeros(xs[-1] + 1)
+            for x in xs.tolist():
+                hit = hit_of(c, x, j, p, waits[j])
+                first[x], back[x], both[x] = hit[0][0], hit[1][0], hit[2] + hit[3]
+            col = grid[:, j]
+            low = np.maximum(low, f_acc + m * both[col] + b_acc)
+            f_acc = f_acc + (first[col] + sends[j])
+            b_acc = b_acc + (back[col] + sends[j])
+        return np.flatnonzero(low * (1.0 - 1e-9) < cut).tolist()
 
     def build_items(self) -> None:
         """Lists, per pipeline, the micro-batch counts at which it fits under the least
