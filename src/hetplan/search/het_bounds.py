@@ -16,7 +16,7 @@ from hetplan.cost import comm
 from hetplan.cost.estimate import StageKey, p2p_wait_s, part_split, stage_times
 from hetplan.cost.memory import held_chunks, stage_activation_bytes, stage_params, stage_state
 from hetplan.cost.params import CostParams
-from hetplan.cost.pipeline_classes import pipeline_talkers
+from hetplan.cost.pipeline_classes import pipeline_classes, pipeline_talkers
 from hetplan.cost.schedule import EXACT_ACTION_LIMIT, held_layers, peak_in_flight, replay
 from hetplan.cost.sharding import deferred_sync
 from hetplan.model import ModelSpec
@@ -133,11 +133,19 @@ class PlanBounds:
         deferred = deferred_sync(plan)  # pipelined ZeRO-2/3, as estimate prices them
         worst = 0.0
         ok = True
+        sums: dict[tuple[object, ...], float] = {}  # replicas repeat the same stages: once each
         for pipe in plan.pipelines:
             p = len(pipe.stages)
             m = plan.num_micro_batches(pipe)
             for j, stage in enumerate(pipe.stages):
                 node = self.node(stage.devices[0])
+                skey = (stage.layers, stage.chunks, stage.tp, j, p, m)
+                total = sums.get(skey)
+                if total is not None:
+                    if total > node.gpu.memory_bytes:
+                        ok = False
+                        worst = max(worst, total)
+                    continue
                 first, last = j == 0, j == p - 1
                 state = sum(stage_state(
                     model, stage.layers, stage.tp, first, last, p == 1, plan.precision,
@@ -151,7 +159,7 @@ class PlanBounds:
                     units, plan.virtual_stages, plan.precision,
                     held_layers(plan.schedule, p, m, j, even) if even else None,
                 )  # fmt: skip
-                total = state + acts + self.params.memory_reserve_bytes
+                total = sums[skey] = state + acts + self.params.memory_reserve_bytes
                 if total > node.gpu.memory_bytes:
                     ok = False
                     worst = max(worst, total)
@@ -179,8 +187,12 @@ class PlanBounds:
         v = plan.virtual_stages
         act = plan.micro_batch_size * model.seq * model.hidden * element_bytes(plan.precision)
         talkers = pipeline_talkers(plan, self.node)
+        # a pipeline identical for the cost model to an earlier one bounds the same
+        same = pipeline_classes(plan, self.node, talkers, {})
         out = 0.0
-        for pipe in plan.pipelines:
+        for r, pipe in enumerate(plan.pipelines):
+            if same[r] != r:
+                continue
             p = len(pipe.stages)
             m = plan.num_micro_batches(pipe)
             nodes = [self.node(s.devices[0]) for s in pipe.stages]
