@@ -80,10 +80,12 @@ def best_uniform(
     params: CostParams,
     flash_attention: bool,
     constraints: PlanConstraints | None = None,
+    ceiling_s: float = math.inf,
 ) -> Scored | None:
     """Returns the fastest Megatron-style plan over all GPUs: equal layers and batch shares
     (micro-batches up to 8, no or full recomputation, ZeRO 0/1 unless the constraints name
-    other values; only plans they allow).
+    other values; only plans they allow); ``ceiling_s``: only plans whose bound is below it
+    (the heterogeneous search's ceiling), None where none is.
 
     Candidates that fit (the memory ``estimate`` sums) are estimated in order of a proven
     lower bound of their time (``PlanBounds``) until the bound passes the best estimate."""
@@ -119,8 +121,17 @@ def best_uniform(
                             sequence_parallel=sp, flash_attention=flash_attention,
                             overlap_tp_comm=c.overlap_tp_comm,
                         )  # fmt: skip
-                        if c.allows(plan) and bounds.fits(plan)[0]:
-                            cands.append((bounds.bound_s(plan, exact=False), len(cands), plan))
+                        if not c.allows(plan):
+                            continue
+                        if math.isinf(ceiling_s):
+                            if bounds.fits(plan)[0]:
+                                bound = bounds.bound_s(plan, exact=False)
+                                cands.append((bound, len(cands), plan))
+                            continue
+                        # the caller has plans this fast: the slower ones are not sought
+                        bound = bounds.bound_s(plan, exact=False)
+                        if bound < ceiling_s and bounds.fits(plan)[0]:
+                            cands.append((bound, len(cands), plan))
     cands.sort(key=lambda c: (c[0], c[1]))
     best: Scored | None = None
     for bound, _, plan in cands:

@@ -137,7 +137,7 @@ def search_with(
     )
     notes += more
     uniform = best_uniform(model, cluster, global_batch, precision, params, flash_attention,
-                           constraints)  # fmt: skip
+                           constraints, ceiling_s if prune else math.inf)  # fmt: skip
     baselines = {"single_type": single, "uniform": uniform}
     total_mem = sum(c.gpu.memory_bytes * c.num_gpus for c in classes)
     floor = _state_floor_bytes(model, precision, cluster.num_gpus)
