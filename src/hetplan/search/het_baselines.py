@@ -123,15 +123,12 @@ def best_uniform(
                         )  # fmt: skip
                         if not c.allows(plan):
                             continue
-                        if math.isinf(ceiling_s):
-                            if bounds.fits(plan)[0]:
-                                bound = bounds.bound_s(plan, exact=False)
-                                cands.append((bound, len(cands), plan))
-                            continue
                         # the caller has plans this fast: the slower ones are not sought
-                        bound = bounds.bound_s(plan, exact=False)
-                        if bound < ceiling_s and bounds.fits(plan)[0]:
-                            cands.append((bound, len(cands), plan))
+                        # (the bound is memoised: taken again below at no cost)
+                        if ceiling_s < math.inf and bounds.bound_s(plan, False) >= ceiling_s:
+                            continue
+                        if bounds.fits(plan)[0]:
+                            cands.append((bounds.bound_s(plan, False), len(cands), plan))
     cands.sort(key=lambda c: (c[0], c[1]))
     best: Scored | None = None
     for bound, _, plan in cands:

@@ -85,15 +85,35 @@ def closed_bound_s(
     opt_s: list[float],
 ) -> float:
     """Returns the closed-form bound of ``pipeline_bound_s`` (non-decreasing in ``m``)."""
+    return closed_bound_at(m, closed_terms(fwd_c, bwd_c, send_s, opt_s))
+
+
+ClosedTerms = list[tuple[float, float, float, float]]
+"""Per stage: its first forward's start, its per-micro-batch work, its optimizer step and
+what of the first micro-batch's backward still follows its own (``closed_bound_s``)."""
+
+
+def closed_terms(
+    fwd_c: list[list[float]], bwd_c: list[list[float]], send_s: list[float], opt_s: list[float]
+) -> ClosedTerms:
+    """Returns ``closed_bound_s``'s terms of a pipeline, which do not depend on ``m``."""
+    out = []
     f_acc = b_acc = 0.0
-    out = last = 0.0
     for j in range(len(fwd_c)):
-        own = f_acc + m * (sum(fwd_c[j]) + sum(bwd_c[j]))
-        out = max(out, own + opt_s[j])
-        last = max(last, own + b_acc)
+        out.append((f_acc, sum(fwd_c[j]) + sum(bwd_c[j]), opt_s[j], b_acc))
         f_acc += fwd_c[j][0] + send_s[j]
         b_acc += bwd_c[j][0] + send_s[j]
-    return max(out, last + opt_s[0]) * (1.0 - 1e-9)
+    return out
+
+
+def closed_bound_at(m: int, terms: ClosedTerms) -> float:
+    """Returns ``closed_bound_s`` at ``m`` micro-batches from its terms (``closed_terms``)."""
+    out = last = 0.0
+    for start, per, opt, back in terms:
+        own = start + m * per
+        out = max(out, own + opt)
+        last = max(last, own + back)
+    return max(out, last + terms[0][2]) * (1.0 - 1e-9)
 
 
 class PlanBounds:
@@ -141,25 +161,21 @@ class PlanBounds:
                 node = self.node(stage.devices[0])
                 skey = (stage.layers, stage.chunks, stage.tp, j, p, m)
                 total = sums.get(skey)
-                if total is not None:
-                    if total > node.gpu.memory_bytes:
-                        ok = False
-                        worst = max(worst, total)
-                    continue
-                first, last = j == 0, j == p - 1
-                state = sum(stage_state(
-                    model, stage.layers, stage.tp, first, last, p == 1, plan.precision,
-                    plan.zero_stage, dp, deferred,
-                ))  # fmt: skip
-                units = peak_in_flight(plan.schedule, p, m, plan.virtual_stages, j)
-                even = held_chunks(stage.layers, plan.virtual_stages, first)
-                acts = stage_activation_bytes(
-                    model, stage.layers, stage.tp, plan.micro_batch_size,
-                    plan.sequence_parallel, plan.recompute, plan.flash_attention, first, last,
-                    units, plan.virtual_stages, plan.precision,
-                    held_layers(plan.schedule, p, m, j, even) if even else None,
-                )  # fmt: skip
-                total = sums[skey] = state + acts + self.params.memory_reserve_bytes
+                if total is None:
+                    first, last = j == 0, j == p - 1
+                    state = sum(stage_state(
+                        model, stage.layers, stage.tp, first, last, p == 1, plan.precision,
+                        plan.zero_stage, dp, deferred,
+                    ))  # fmt: skip
+                    units = peak_in_flight(plan.schedule, p, m, plan.virtual_stages, j)
+                    even = held_chunks(stage.layers, plan.virtual_stages, first)
+                    acts = stage_activation_bytes(
+                        model, stage.layers, stage.tp, plan.micro_batch_size,
+                        plan.sequence_parallel, plan.recompute, plan.flash_attention, first,
+                        last, units, plan.virtual_stages, plan.precision,
+                        held_layers(plan.schedule, p, m, j, even) if even else None,
+                    )  # fmt: skip
+                    total = sums[skey] = state + acts + self.params.memory_reserve_bytes
                 if total > node.gpu.memory_bytes:
                     ok = False
                     worst = max(worst, total)

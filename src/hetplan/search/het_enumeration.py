@@ -21,7 +21,12 @@ from hetplan.cost.memory import stage_state
 from hetplan.cost.schedule import peak_in_flight, warmup_forwards
 from hetplan.cost.sharding import dominated_by_zero1
 from hetplan.plan import RECOMPUTE, Pipeline, Plan, Stage
-from hetplan.search.het_bounds import chunk_times, pipeline_bound_s
+from hetplan.search.het_bounds import (
+    chunk_times,
+    closed_bound_at,
+    closed_terms,
+    pipeline_bound_s,
+)
 from hetplan.search.het_generation import SearchState
 from hetplan.search.het_pool import CandidatePool
 from hetplan.search.het_space import (
@@ -272,21 +277,23 @@ class Enumeration:
             waits = [p2p_wait_s(sends, j, v, self.tables[c].p2p_exposed) for j, c in enumerate(seq)]
             m = p if v > 1 and p > 1 else 1  # the fewest micro-batches it may run
             splits, grid = split_table(layers, p, v)
+            screened = len(splits) >= VECTOR_SPLITS  # many: all at once, with numpy
             keep: list[int] | range = range(len(splits))
-            if len(splits) >= VECTOR_SPLITS:
+            if screened:
                 keep = self._fast_splits(seq, grid, waits, sends, m, cut, hit_of)
             for q in keep:
                 split = splits[q]
                 pairs = list(enumerate(zip(seq, split, strict=True)))
                 hits = [hit_of(c, x, j, p, waits[j]) for j, (c, x) in pairs]
-                # the closed-form bound at the fewest micro-batches, optimizer left out
-                f_acc = b_acc = low = 0.0
-                for j, hit in enumerate(hits):
-                    low = max(low, f_acc + m * (hit[2] + hit[3]) + b_acc)
-                    f_acc += hit[0][0] + sends[j]
-                    b_acc += hit[1][0] + sends[j]
-                if low * (1.0 - 1e-9) >= cut:
-                    continue
+                if not screened:
+                    # the closed-form bound at the fewest micro-batches, optimizer left out
+                    f_acc = b_acc = low = 0.0
+                    for j, hit in enumerate(hits):
+                        low = max(low, f_acc + m * (hit[2] + hit[3]) + b_acc)
+                        f_acc += hit[0][0] + sends[j]
+                        b_acc += hit[1][0] + sends[j]
+                    if low * (1.0 - 1e-9) >= cut:
+                        continue
                 floor = [floor_of(c, x, j, p) for j, (c, x) in pairs]
                 fwd = [h[0] for h in hits]
                 bwd = [h[1] for h in hits]
@@ -305,7 +312,7 @@ class Enumeration:
     ) -> list[int]:
         """Returns the splits (rows of ``grid``, layers per stage) of pipeline shape ``seq``
         whose closed-form bound at ``m`` micro-batches beats ``cut``, all at once: the same
-        operations as ``build_pipes``' own, so the same numbers (which it checks again)."""
+        operations as ``build_pipes``' loop over fewer splits, so the same numbers."""
         p = len(seq)
         f_acc: Any = 0.0
         b_acc: Any = 0.0
@@ -336,19 +343,14 @@ class Enumeration:
         for i, pipe in enumerate(self.pipes):
             step = self.step(pipe)
             p = len(pipe.classes)
-            # ``closed_bound_s``'s terms per stage, once: the same operations per count
-            terms = []
-            f_acc = b_acc = 0.0
+            opts = []
             for j, (c, x) in enumerate(zip(pipe.classes, pipe.layers, strict=True)):
                 key = (c, x, j == 0, j == p - 1, p == 1)
                 opt = least_opt.get(key)
                 if opt is None:
                     opt = least_opt[key] = min(self.opt_s(*key, sh) for sh in (1, self.most))
-                fc, bc = pipe.fwd_c[j], pipe.bwd_c[j]
-                terms.append((f_acc, sum(fc) + sum(bc), opt, b_acc))
-                f_acc += fc[0] + pipe.sends[j]
-                b_acc += bc[0] + pipe.sends[j]
-            opt0 = terms[0][2]
+                opts.append(opt)
+            terms = closed_terms(pipe.fwd_c, pipe.bwd_c, pipe.sends, opts)  # once, not per m
             ms: list[tuple[int, float]] = []
             held: list[int] = []
             saturated = False
@@ -365,12 +367,7 @@ class Enumeration:
                         held = now
                     else:
                         saturated = not gpipe
-                out = last = 0.0
-                for start, per, opt, back in terms:
-                    own = start + m * per
-                    out = max(out, own + opt)
-                    last = max(last, own + back)
-                b = max(out, last + opt0) * (1.0 - 1e-9)  # closed_bound_s(m, ...)
+                b = closed_bound_at(m, terms)
                 if b >= cut:
                     break  # and so does the closed-form bound
                 ms.append((m, b))

@@ -30,9 +30,8 @@ small mixes, swapped) and the front against provisioning without pruning."""
 from __future__ import annotations
 
 from hetplan.market import Offer
+from hetplan.plan import PRECISIONS
 from hetplan.search.provision_points import ProvisionJob, gpu_memory
-
-PRECISIONS = ("fp32", "tf32", "bf16", "fp16")
 
 
 def _peaks(offer: Offer) -> dict[str, float]:
