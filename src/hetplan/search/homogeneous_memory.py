@@ -1,12 +1,13 @@
-"""The homogeneous search's memory check: each candidate's per-GPU peak (the first and the
-last stage's weights, gradients and optimizer state, and their activations at the
-schedule's peak), from ``memory``'s own building blocks, with the caches (``SearchMemo``)
-that searches on clusters of one node type share; ``homogeneous_scoring`` adds the time
-bounds."""
+"""The homogeneous search's memory check: each candidate's per-GPU peak (its stages'
+weights, gradients and optimizer state, and their activations at the schedule's peak: the
+first, the last and the heaviest middle stages, ``probe_stages``), from ``memory``'s own
+building blocks, with the caches (``SearchMemo``) that searches on clusters of one node
+type share; ``homogeneous_scoring`` adds the time bounds."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cache
 
 from hetplan.chunk_layout import lightened_chunks
 from hetplan.cluster import Cluster
@@ -22,6 +23,22 @@ from hetplan.model import ModelSpec
 from hetplan.plan import element_bytes
 from hetplan.search.homogeneous_candidates import Candidate, SearchSpace, most_micro_batches
 from hetplan.search.layout import even_layer_split
+
+
+@cache
+def probe_stages(layers: int, pp: int) -> tuple[int, ...]:
+    """Returns the stages whose memory peaks bound every stage's of the even split
+    (``even_layer_split``): the first and the last (the embedding, the head), and of the
+    middle stages the earliest of each layer count (the same state; a stage holds no fewer
+    micro-batches in flight than a later one, and checking more stages only adds)."""
+    split = even_layer_split(layers, pp)
+    out = {0, pp - 1}
+    seen: set[int] = set()
+    for j in range(1, pp - 1):
+        if split[j] not in seen:
+            seen.add(split[j])
+            out.add(j)
+    return tuple(sorted(out))
 
 
 @dataclass(frozen=True)
@@ -96,14 +113,15 @@ class MemoryScorer:
         return shape
 
     def peak_bytes(self, c: Candidate) -> float:
-        """Returns the larger peak of the first and last stage of a candidate (its state and
-        its activations kept apart: candidates of one search share the state of their
-        degrees and ZeRO stage, and node counts share the activations of their knobs and
+        """Returns the largest peak of a candidate's stages (``probe_stages``: the first, the
+        last, and the earliest of the middle ones per layer count) (its state and its
+        activations kept apart: candidates of one search share the state of their degrees
+        and ZeRO stage, and node counts share the activations of their knobs and
         micro-batches per replica)."""
         precision, memo = self.precision, self.memo
         m = most_micro_batches(self.global_batch, c.dp, c.micro_batch)  # the busiest replica's
         worst = 0.0
-        for j in {0, c.pp - 1}:
+        for j in probe_stages(self.model.layers, c.pp):
             first, last = j == 0, j == c.pp - 1
             state = self.state_bytes(c.tp, c.pp, c.dp, c.zero_stage, j)
             akey = (c.tp, c.pp, c.micro_batch, c.recompute, c.sequence_parallel, c.schedule,
