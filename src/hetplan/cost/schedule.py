@@ -35,6 +35,22 @@ def peak_in_flight(schedule: str, p: int, m: int, v: int, rank: int) -> int:
     return min(warmup_forwards(schedule, p, m, v, rank) + 1, m * v)
 
 
+def memory_micro_batches(schedule: str, p: int, m: int, v: int, rank: int) -> int:
+    """Returns a micro-batch count, at most m, at which stage ``rank`` holds what it holds at
+    m (``peak_in_flight`` and ``held_layers`` the same): memory stops growing with m once the
+    warm-up is whole and, interleaved, the steady phase runs a full cycle of p v actions
+    (after that each forward and backward pair repeats a state of the cycle: its chunk
+    depends on its index modulo p v, and a full cycle adds and frees the same layers).
+    GPipe holds every micro-batch: m itself. ``tests/cost/test_schedule_memory.py`` checks
+    it against both functions."""
+    if schedule == "GPipe":
+        return m
+    if schedule == "Interleaved1F1B" and v > 1:
+        warm = (p - rank - 1) * 2 + (v - 1) * p
+        return min(m, -(-(warm + p * v) // v))
+    return min(m, p - rank)
+
+
 def held_layers(
     schedule: str, p: int, m: int, rank: int, chunks: tuple[int, ...]
 ) -> tuple[tuple[int, int], ...]:

@@ -110,11 +110,11 @@ def search_homogeneous(
     space = space or SearchSpace()
     scorer = Scorer(model, cluster, precision, global_batch, params, flash_attention,
                      memo or SearchMemo(), space)  # fmt: skip
+    floor = weight_floor if weight is not None else 1.0
     sc = score_candidates(model, cluster, global_batch, precision, params, space,
                           flash_attention, scorer=scorer, sync=False,
-                          exact_counts=exact_counts)  # fmt: skip
+                          exact_counts=exact_counts, cutoff=cutoff / floor)  # fmt: skip
     result = SearchResult([], sc.candidates, sc.fitting, sc.min_memory_bytes)
-    floor = weight_floor if weight is not None else 1.0
     # (lower bound, tie-break, refinement, index): sorted by the cheap bound, hence a heap;
     # refinement 0: the first bound, 1: the whole bound, 2: its pipeline replayed
     heap = [(b * floor, tiebreak(c), 0, i) for i, (b, c) in enumerate(sc.ranked)]

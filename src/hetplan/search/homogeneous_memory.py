@@ -18,7 +18,7 @@ from hetplan.cost.memory import (
     stage_state,
 )
 from hetplan.cost.params import CostParams
-from hetplan.cost.schedule import held_layers, peak_in_flight
+from hetplan.cost.schedule import held_layers, memory_micro_batches, peak_in_flight
 from hetplan.model import ModelSpec
 from hetplan.plan import element_bytes
 from hetplan.search.homogeneous_candidates import Candidate, SearchSpace, most_micro_batches
@@ -65,7 +65,7 @@ class SearchMemo:
         self.stages: dict[tuple[object, ...], tuple[float, float, float, float, float]] = {}
         self.optimizer: dict[tuple[object, ...], float] = {}
         self.sends: dict[tuple[object, ...], tuple[float, float]] = {}
-        self.first: dict[tuple[object, ...], tuple[list[float], list[float]]] = {}
+        self.first: dict[tuple[object, ...], tuple[list[float], list[float], dict[int, float]]] = {}
         self.acts: dict[tuple[object, ...], float] = {}
 
 
@@ -119,11 +119,14 @@ class MemoryScorer:
         and ZeRO stage, and node counts share the activations of their knobs and
         micro-batches per replica)."""
         precision, memo = self.precision, self.memo
-        m = most_micro_batches(self.global_batch, c.dp, c.micro_batch)  # the busiest replica's
+        most = most_micro_batches(self.global_batch, c.dp, c.micro_batch)  # the busiest's
         worst = 0.0
         for j in probe_stages(self.model.layers, c.pp):
             first, last = j == 0, j == c.pp - 1
             state = self.state_bytes(c.tp, c.pp, c.dp, c.zero_stage, j)
+            # past its warm-up (and a cycle, interleaved) a stage holds no more: node counts
+            # whose replicas run more micro-batches share the entry
+            m = memory_micro_batches(c.schedule, c.pp, most, c.virtual_stages, j)
             akey = (c.tp, c.pp, c.micro_batch, c.recompute, c.sequence_parallel, c.schedule,
                     c.virtual_stages, c.lightened, m, j, precision, self.flash)  # fmt: skip
             acts = memo.acts.get(akey)

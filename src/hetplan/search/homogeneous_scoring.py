@@ -444,19 +444,34 @@ class Scorer(MemoryScorer):
             f_first, b_first = fwd / v, (bwd + rc + tpc) / v
         return fwd, bwd, rc, tpc, f_first, b_first
 
+    def _first_key(self, c: Candidate) -> tuple[object, ...]:
+        """Returns the key of the candidate's ``_first_bound`` terms in ``SearchMemo.first``."""
+        multi = len(self.cluster.nodes) > 1
+        return (c.tp, c.pp, c.micro_batch, c.recompute, c.virtual_stages, c.sequence_parallel,
+                c.lightened, multi, self.precision, self.flash,
+                self.space.overlap_tp_comm)  # fmt: skip
+
+    def known_first_bound(self, c: Candidate) -> float | None:
+        """Returns ``bound_s(c, sync=False)`` where its terms are already kept (another
+        candidate of the same TP, PP and knobs asked for them), else None: free to ask
+        before the memory check, which it may spare."""
+        hit = self.memo.first.get(self._first_key(c))
+        if hit is None:
+            return None
+        return _first_at(hit, most_micro_batches(self.global_batch, c.dp, c.micro_batch))
+
     def _first_bound(self, c: Candidate, m: int) -> float:
         """Returns ``bound_s`` without the gradient reduction, the optimizer step and the
         step's one-number all-reduces, every transfer at the least any placement allows:
         max over stages j of (its fill + m x its per-micro-batch time + the drain back to
         stage 0). The sums depend on the degrees only through m, so they are kept per
-        (TP, PP, knobs) across data-parallel degrees and node counts (``SearchMemo.first``)."""
-        multi = len(self.cluster.nodes) > 1
-        key = (c.tp, c.pp, c.micro_batch, c.recompute, c.virtual_stages, c.sequence_parallel,
-               c.lightened, multi, self.precision, self.flash,
-               self.space.overlap_tp_comm)  # fmt: skip
+        (TP, PP, knobs) across data-parallel degrees and node counts, and the bound per m
+        (``SearchMemo.first``)."""
+        key = self._first_key(c)
         hit = self.memo.first.get(key)
         if hit is None:
             p, v = c.pp, c.virtual_stages
+            multi = len(self.cluster.nodes) > 1
             lo = self.send_range(c, True)[0]
             if multi:
                 lo = min(lo, self.send_range(c, False)[0])
@@ -472,9 +487,8 @@ class Scorer(MemoryScorer):
                 per.append(fwd + bwd + rc + tpc + wait)
                 fill += f_first + wait / 2 / v + sends[j]
                 drain += b_first + wait / 2 / v + sends[j]
-            hit = self.memo.first[key] = (const, per)
-        const, per = hit
-        return max(a + m * b for a, b in zip(const, per, strict=True)) * (1.0 - 1e-9)
+            hit = self.memo.first[key] = (const, per, {})
+        return _first_at(hit, m)
 
     def _parts(
         self, c: Candidate, plan: Plan, j: int, node: Node
@@ -522,6 +536,15 @@ class Scorer(MemoryScorer):
         )
 
 
+def _first_at(terms: tuple[list[float], list[float], dict[int, float]], m: int) -> float:
+    """Returns ``Scorer._first_bound`` at m micro-batches from its kept terms (memoised)."""
+    const, per, at = terms
+    bound = at.get(m)
+    if bound is None:
+        bound = at[m] = max(a + m * b for a, b in zip(const, per, strict=True)) * (1.0 - 1e-9)
+    return bound
+
+
 @dataclass
 class Scored:
     """Candidates that fit, with lower bounds of their iteration time, smallest first; and
@@ -545,6 +568,7 @@ def score_candidates(
     scorer: Scorer | None = None,
     sync: bool = True,
     exact_counts: bool = True,
+    cutoff: float = math.inf,
 ) -> Scored:
     """Returns every fitting candidate with a lower bound of its estimate() time, smallest
     first (no estimate). ``memo`` may be shared by calls on clusters of the same node type.
@@ -572,10 +596,16 @@ def score_candidates(
     overflows = None if exact_counts else scorer.state_overflows
     for c in enumerate_candidates(model, n, gpn, global_batch, space, overflows):
         count += 1
+        # under a cutoff, a bound already at hand first (it may spare the memory check)
+        known = scorer.known_first_bound(c) if cutoff < math.inf else None
+        if known is not None and known > cutoff:
+            continue
         peak = scorer.peak_bytes(c)
         if peak > gpu.memory_bytes:
             min_mem = min(min_mem, peak)
             continue
-        scored.append((scorer.bound_s(c, sync), tiebreak(c), c))
+        bound = known if known is not None and not sync else scorer.bound_s(c, sync)
+        if bound <= cutoff:
+            scored.append((bound, tiebreak(c), c))
     scored.sort(key=lambda x: (x[0], x[1]))
     return Scored([(t, c) for t, _, c in scored], count, len(scored), min_mem)
