@@ -7,6 +7,7 @@ from hetplan.cluster import cluster_from_dict
 from hetplan.cost.params import default_params
 from hetplan.model import load_model
 from hetplan.search.grouping import device_classes
+from hetplan.search.het_baselines import best_single_type
 from hetplan.search.het_cache import SearchCache
 from hetplan.search.het_tables import Knobs, class_table
 from hetplan.search.heterogeneous import search_heterogeneous
@@ -69,3 +70,19 @@ def test_tables_of_other_node_hardware_are_kept_apart():
         assert shared.caps_row(2) == alone.caps_row(2)
         times.append(shared.stage_s(3, True, False))
     assert times[1] > times[0]
+
+
+def test_homogeneous_memo_is_kept_per_node_hardware():
+    # the single-type baselines of clusters of one kind of node at several counts share
+    # one memo, and answer as searches without it do; another kind gets its own
+    model, params = load_model("gpt3-350m"), default_params()
+    cache = SearchCache(model, params)
+    for a100, v100 in ((1, 1), (2, 1), (3, 2)):
+        cluster = _cluster(a100, v100)
+        shared, _ = best_single_type(model, cluster, 64, "fp16", params, True, cache=cache)
+        alone, _ = best_single_type(model, cluster, 64, "fp16", params, True)
+        assert shared is not None and alone is not None
+        assert shared[0] == alone[0]
+        assert shared[1].iteration_time_s == alone[1].iteration_time_s
+    assert len(cache.memos) == 2
+    assert all(memo.first and memo.acts for memo in cache.memos.values())

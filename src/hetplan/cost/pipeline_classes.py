@@ -14,14 +14,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import fields
+from operator import attrgetter
 from typing import Any
 
 from hetplan.cluster import Node
 from hetplan.plan import Plan, Stage
 
-
-def _stage_fields() -> tuple[str, ...]:
-    return tuple(f.name for f in fields(Stage) if f.name != "devices")
+_STAGE_FIELDS = attrgetter(*(f.name for f in fields(Stage) if f.name != "devices"))
+"""A stage's fields but its devices, as one tuple."""
 
 
 def node_key(node: Node) -> tuple[Any, ...]:
@@ -47,9 +47,10 @@ def pipeline_classes(
     ``talkers``: per node, its devices exchanging pipeline transfers across nodes;
     ``dp_group``: per (pipeline, stage), an object standing for its data-parallel group
     (compared by identity: the sync layout shares one per group)."""
-    names = _stage_fields()
+    fields_of = _STAGE_FIELDS
     first_of: dict[tuple[Any, ...], int] = {}
     out: list[int] = []
+    keys: dict[str, tuple[Any, ...]] = {}  # per node name: what the cost model reads of it
     for r, pipe in enumerate(plan.pipelines):
         stages = pipe.stages
         nodes = [node_of(st.devices[0]) for st in stages]
@@ -57,11 +58,14 @@ def pipeline_classes(
         for j, (st, node) in enumerate(zip(stages, nodes, strict=True)):
             nxt = nodes[(j + 1) % len(nodes)]
             group = dp_group.get((r, j))
+            nk = keys.get(node.name)
+            if nk is None:
+                nk = keys[node.name] = node_key(node)
             sig.append(
                 (
-                    tuple(getattr(st, n) for n in names),
+                    fields_of(st),
                     st.tp,
-                    node_key(node),
+                    nk,
                     talkers.get(node.name, 0),
                     nxt.name == node.name,
                     talkers.get(nxt.name, 0),

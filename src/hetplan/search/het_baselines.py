@@ -36,7 +36,8 @@ def best_single_type(
     cache: SearchCache | None = None,
 ) -> tuple[Scored | None, list[str]]:
     """Returns the fastest homogeneous plan on the nodes of any one class (within the
-    constraints), and notes; ``cache`` keeps each class's answer for other searches."""
+    constraints), and notes; ``cache`` keeps each class's answer for other searches, and
+    the homogeneous search's memo per node hardware (it holds across node counts)."""
     space = homogeneous_space(constraints or PlanConstraints())
     notes: list[str] = []
     best: Scored | None = None
@@ -53,10 +54,14 @@ def best_single_type(
         if cache is not None and key in cache.homogeneous:
             answer = cache.homogeneous[key]
         else:
+            memo = None
+            if cache is not None:
+                memo = cache.homogeneous_memo(sub.nodes[0], global_batch, precision, space,
+                                              flash_attention)  # fmt: skip
             try:
                 res = search_homogeneous(
                     model, sub, global_batch, precision, 1, params, space=space,
-                    flash_attention=flash_attention,
+                    flash_attention=flash_attention, memo=memo,
                 )  # fmt: skip
                 answer = res.ranked[0] if res.ranked else None
             except InputError as exc:

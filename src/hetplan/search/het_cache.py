@@ -10,7 +10,8 @@ What is shared depends only on what its key names, never on how many nodes a cla
 - layer-split frontiers (keyed by the stage arrays' own numbers) and pipeline bounds
   (keyed by their stage times, transfers and micro-batches);
 - the single-type baseline's homogeneous search, by the exact nodes, batch, precision,
-  search space and flash attention.
+  search space and flash attention, and that search's memo by the node's hardware and
+  the same settings.
 A search given a cache of another model or parameters ignores it."""
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import TYPE_CHECKING
 from hetplan.cluster import Node
 from hetplan.cost.params import CostParams
 from hetplan.model import ModelSpec
+from hetplan.search.homogeneous_memory import SearchMemo
 
 if TYPE_CHECKING:
     from hetplan.search.het_tables import Knobs
@@ -48,6 +50,20 @@ class SearchCache:
     """Pipeline bounds by their stage times (``PlanBounds``)."""
     homogeneous: dict[tuple[object, ...], object] = field(default_factory=dict)
     """Single-type baselines: the top plan (or None), or the InputError raised."""
+    memos: dict[tuple[object, ...], SearchMemo] = field(default_factory=dict)
+    """The homogeneous search's memo per node hardware and search settings."""
+
+    def homogeneous_memo(
+        self, node: Node, global_batch: int, precision: str, space: object, flash: bool
+    ) -> SearchMemo:
+        """Returns the homogeneous search's memo for nodes of ``node``'s hardware (it holds
+        across node counts: ``SearchMemo``)."""
+        key = (node.gpu, node.gpus, node.intra_node_bytes_per_s, node.network_bytes_per_s,
+               global_batch, precision, space, flash)  # fmt: skip
+        hit = self.memos.get(key)
+        if hit is None:
+            hit = self.memos[key] = SearchMemo()
+        return hit
 
     def serves(self, model: ModelSpec, params: CostParams) -> bool:
         """Returns whether this cache holds work of ``model`` under ``params``."""
