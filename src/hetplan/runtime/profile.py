@@ -20,14 +20,15 @@ from torch.nn import functional as F
 from hetplan.cost.compute import LayerTimes
 from hetplan.measured.profile_db import LayerRecord, ProfileDB, shape_key
 from hetplan.model import ModelSpec
+from hetplan.plan import PRECISIONS as PLAN_PRECISIONS
 from hetplan.runtime.grad_sync import square_sum
 from hetplan.runtime.model_torch import Block, Embed, Head
 from hetplan.runtime.optim_config import OptimConfig
 from hetplan.runtime.precision import autocast, autocast_dtype, set_matmul_precision
 from hetplan.runtime.state import make_optimizer
 
-PRECISIONS = ("fp32", "tf32", "bf16", "fp16")
-"""What ``profile_model`` can time."""
+PRECISIONS = PLAN_PRECISIONS
+"""What ``profile_model`` can time: every precision a plan may state."""
 
 
 def _sync(device: torch.device) -> None:
