@@ -134,3 +134,25 @@ def test_replay_bound_catches_a_pipeline_paced_by_its_transfers():
     assert bound < 0.7 * est
     assert rb == pytest.approx(est, rel=1e-8) and rb <= est
     assert replays == 1 and len(est_mod._REPLAYS) == 1
+
+
+@pytest.mark.parametrize("share", [False, True], ids=["fresh-memo", "shared-memo"])
+def test_cutoff_keeps_exactly_the_candidates_bounded_below_it(share):
+    # under a cutoff, scoring keeps the candidates the uncut scoring ranks at or below it,
+    # with the same bounds, whether their first bounds are at hand (a memo another search
+    # filled: the memory check is then skipped for those above) or not
+    gpu, gpn, nodes, name, batch, precision = CASES[3]
+    offer = {"gpu": gpu, "gpus_per_node": gpn, "max_nodes": nodes, "on_demand_usd_per_gpu_hour": 1}
+    cluster = market_from_dict({"offers": [offer]}).offers[0].cluster(nodes, "on-demand")
+    model, params, space = load_model(name), default_params(), SPACES[0]
+    memo = SearchMemo()
+    full = score_candidates(model, cluster, batch, precision, params, space, True, memo=memo,
+                            sync=False)  # fmt: skip
+    bounds = sorted(b for b, _ in full.ranked)
+    cutoff = bounds[len(bounds) // 3]
+    cut = score_candidates(model, cluster, batch, precision, params, space, True,
+                           memo=memo if share else SearchMemo(), sync=False,
+                           cutoff=cutoff)  # fmt: skip
+    want = [(b, c) for b, c in full.ranked if b <= cutoff]
+    assert 0 < len(want) < len(full.ranked)
+    assert cut.ranked == want

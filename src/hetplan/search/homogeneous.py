@@ -113,7 +113,8 @@ def search_homogeneous(
     floor = weight_floor if weight is not None else 1.0
     sc = score_candidates(model, cluster, global_batch, precision, params, space,
                           flash_attention, scorer=scorer, sync=False,
-                          exact_counts=exact_counts, cutoff=cutoff / floor)  # fmt: skip
+                          exact_counts=exact_counts,
+                          cutoff=cutoff / floor if floor > 0 else math.inf)  # fmt: skip
     result = SearchResult([], sc.candidates, sc.fitting, sc.min_memory_bytes)
     # (lower bound, tie-break, refinement, index): sorted by the cheap bound, hence a heap;
     # refinement 0: the first bound, 1: the whole bound, 2: its pipeline replayed

@@ -575,7 +575,10 @@ def score_candidates(
     ``sync`` False: the bound without the gradient reduction (``Scorer.bound_s``).
     ``exact_counts`` False: the degrees and ZeRO stages whose state alone overflows memory
     (``Scorer.state_overflows``) are not enumerated, so ``candidates`` and
-    ``min_memory_bytes`` count only the rest (the fitting ones are the same)."""
+    ``min_memory_bytes`` count only the rest (the fitting ones are the same). ``cutoff``:
+    only candidates whose bound is at most this are kept (a search that wants nothing
+    slower), and one whose first bound is already at hand above it is not memory-checked,
+    so ``fitting`` and ``min_memory_bytes`` count only the rest."""
     params = params or default_params()
     space = space or SearchSpace()
     if not cluster.is_homogeneous():  # (the bound reads one node's links for all)
