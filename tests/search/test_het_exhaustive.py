@@ -220,7 +220,8 @@ def test_first_plan_is_the_exhaustive_best(layers, hidden, seq, spec, batch):
     assert again.fits
     assert again.iteration_time_s <= want.time_s * (1 + TOL), (got, want.plan)
     # a ceiling a hair above the best keeps it (the bounds it prunes by are true); a hair
-    # below, the search proves that nothing beats it, estimating no more plans on the way
+    # below, the search proves that nothing beats it, estimating no more plans on the way,
+    # and returns no plan
     t0 = res.ranked[0][1].iteration_time_s
     above = search_heterogeneous(
         model, cluster, batch, "fp16", 1, params, ceiling_s=t0 * (1 + 1e-6)
@@ -229,5 +230,5 @@ def test_first_plan_is_the_exhaustive_best(layers, hidden, seq, spec, batch):
     below = search_heterogeneous(
         model, cluster, batch, "fp16", 1, params, ceiling_s=t0 * (1 - 1e-6)
     )
-    assert all(est.iteration_time_s >= t0 * (1 - 1e-6) for _, est in below.ranked)
+    assert not below.ranked  # nothing slower than the ceiling, the baselines neither
     assert below.evaluated <= res.evaluated

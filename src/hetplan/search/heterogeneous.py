@@ -175,6 +175,8 @@ def search_with(
     pool = sorted(state.pool, key=lambda x: (x[0], x[1]))
     if not pool:
         notes.append("no plan fits in memory (try a smaller micro-batch or more GPUs)")
+    if prune:  # the baselines join the pool whatever their time: none above the ceiling
+        pool = [x for x in pool if x[3].iteration_time_s <= ceiling_s]
     return HeteroResult(
         ranked=[(plan, est) for _, _, plan, est in pool[:top_k]],
         baselines=baselines,
