@@ -19,20 +19,38 @@ Action = tuple[str, int, int]
 """('F' or 'B', micro-batch, chunk)."""
 
 
+def full_warmup(schedule: str, p: int, v: int, rank: int) -> int:
+    """Returns the forwards stage ``rank`` runs before its first backward when the count of
+    micro-batches does not cap them (1F1B and interleaved; GPipe runs every forward first)."""
+    if schedule == "Interleaved1F1B" and v > 1:
+        return (p - rank - 1) * 2 + (v - 1) * p
+    return p - rank - 1
+
+
 def warmup_forwards(schedule: str, p: int, m: int, v: int, rank: int) -> int:
     """Returns how many forwards stage ``rank`` runs before its first backward."""
     if schedule == "GPipe":
         return m * v
-    if schedule == "Interleaved1F1B" and v > 1:
-        return min((p - rank - 1) * 2 + (v - 1) * p, m * v)
-    return min(p - rank - 1, m)
+    cap = m * v if schedule == "Interleaved1F1B" and v > 1 else m
+    return min(full_warmup(schedule, p, v, rank), cap)
+
+
+def in_flight(schedule: str, m: int, v: int, warm: int) -> int:
+    """Returns ``peak_in_flight`` at ``m`` micro-batches of a stage whose uncapped warm-up
+    is ``warm`` forwards (``full_warmup``): GPipe holds all m v chunk-micro-batches, the
+    others their warm-up (at most m v interleaved, m otherwise) plus one, at most m v."""
+    mv = m * v
+    if schedule == "GPipe":
+        return mv
+    cap = mv if schedule == "Interleaved1F1B" and v > 1 else m
+    return min(min(warm, cap) + 1, mv)
 
 
 def peak_in_flight(schedule: str, p: int, m: int, v: int, rank: int) -> int:
     """Returns the most chunk-micro-batches whose activations stage ``rank`` holds at once."""
     if schedule == "GPipe":
         return m * v
-    return min(warmup_forwards(schedule, p, m, v, rank) + 1, m * v)
+    return in_flight(schedule, m, v, full_warmup(schedule, p, v, rank))
 
 
 def memory_micro_batches(schedule: str, p: int, m: int, v: int, rank: int) -> int:
@@ -45,10 +63,10 @@ def memory_micro_batches(schedule: str, p: int, m: int, v: int, rank: int) -> in
     it against both functions."""
     if schedule == "GPipe":
         return m
+    warm = full_warmup(schedule, p, v, rank)
     if schedule == "Interleaved1F1B" and v > 1:
-        warm = (p - rank - 1) * 2 + (v - 1) * p
         return min(m, -(-(warm + p * v) // v))
-    return min(m, p - rank)
+    return min(m, warm + 1)
 
 
 def held_layers(

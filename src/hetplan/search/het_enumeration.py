@@ -18,7 +18,7 @@ import numpy as np
 
 from hetplan.cost.estimate import p2p_wait_s
 from hetplan.cost.memory import stage_state
-from hetplan.cost.schedule import peak_in_flight, warmup_forwards
+from hetplan.cost.schedule import full_warmup, in_flight, peak_in_flight
 from hetplan.cost.sharding import dominated_by_zero1
 from hetplan.plan import RECOMPUTE, Pipeline, Plan, Stage
 from hetplan.search.het_bounds import (
@@ -91,14 +91,9 @@ def split_table(layers: int, stages: int, unit: int) -> tuple[list[tuple[int, ..
 
 def held_units(gpipe: bool, interleaved: bool, v: int, warm: list[int], m: int) -> list[int]:
     """Returns ``peak_in_flight`` of every stage at ``m`` micro-batches from the stages'
-    uncapped warm-up forwards ``warm`` (``Enumeration._warmups``): GPipe holds all m v
-    chunk-micro-batches; the others their warm-up (at most m v interleaved, m otherwise)
-    plus one, at most m v."""
-    mv = m * v
-    if gpipe:
-        return [mv] * len(warm)
-    cap = mv if interleaved else m
-    return [min(min(w, cap) + 1, mv) for w in warm]
+    uncapped warm-up forwards ``warm`` (``Enumeration._warmups``; ``schedule.in_flight``)."""
+    schedule = "GPipe" if gpipe else "Interleaved1F1B" if interleaved else "1F1B"
+    return [in_flight(schedule, m, v, w) for w in warm]
 
 
 class _Budget:
@@ -210,12 +205,11 @@ class Enumeration:
 
     def _warmups(self, p: int) -> list[int]:
         """Returns each of ``p`` stages' warm-up forwards before the count caps them
-        (``warmup_forwards`` at a count past every stage's: not for GPipe)."""
+        (``schedule.full_warmup``; GPipe's are not read)."""
         hit = self._warm.get(p)
         if hit is None:
             k = self.knobs
-            big = p * (p + k.virtual_stages + 2)  # more micro-batches than any warm-up
-            hit = self._warm[p] = [warmup_forwards(k.schedule, p, big, k.virtual_stages, j)
+            hit = self._warm[p] = [full_warmup(k.schedule, p, k.virtual_stages, j)
                                    for j in range(p)]  # fmt: skip
         return hit
 
