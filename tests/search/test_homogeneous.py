@@ -9,9 +9,8 @@ from hetplan.cost.estimate import estimate
 from hetplan.errors import InputError
 from hetplan.model import ModelSpec, load_model
 from hetplan.plan import validate_plan
-from hetplan.search.homogeneous import search_homogeneous
+from hetplan.search.homogeneous import score_candidates, search_homogeneous
 from hetplan.search.homogeneous_candidates import SearchSpace, candidate_plan
-from hetplan.search.homogeneous_scoring import score_candidates
 
 
 @pytest.mark.parametrize(

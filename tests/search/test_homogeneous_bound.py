@@ -9,9 +9,10 @@ from hetplan.cost.estimate import estimate
 from hetplan.cost.params import default_params
 from hetplan.market import market_from_dict
 from hetplan.model import load_model
+from hetplan.search.homogeneous import score_candidates
 from hetplan.search.homogeneous_candidates import SearchSpace
 from hetplan.search.homogeneous_memory import SearchMemo
-from hetplan.search.homogeneous_scoring import Scorer, score_candidates
+from hetplan.search.homogeneous_scoring import Scorer
 
 CASES = [
     ("RTX 4090", 1, 37, "gpt3-1.3b", 96, "fp16"),

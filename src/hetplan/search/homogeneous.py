@@ -1,8 +1,10 @@
 """Homogeneous 3D search: enumerate degrees and knobs, prune by divisibility and memory,
 rank by estimate() itself, visiting candidates in order of a proven lower bound of it.
 
-The parts: ``homogeneous_candidates`` (the space, its points and their plans) and
-``homogeneous_scoring`` (memory and the lower bound of each point); this module runs them.
+The parts: ``homogeneous_candidates`` (the space, its points and their plans),
+``homogeneous_memory`` (each point's memory) and ``homogeneous_scoring`` (each point's lower
+bound); this module runs them: every point scored (``score_candidates``), then visited in
+bound order.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from hetplan.cluster import Cluster
 from hetplan.cost.estimate import estimate
 from hetplan.cost.estimate_result import Estimate
 from hetplan.cost.params import CostParams, default_params
+from hetplan.errors import InputError
 from hetplan.model import ModelSpec
 from hetplan.plan import Plan
 from hetplan.search.homogeneous_candidates import (
@@ -29,7 +32,7 @@ from hetplan.search.homogeneous_candidates import (
     tiebreak,
 )
 from hetplan.search.homogeneous_memory import SearchMemo
-from hetplan.search.homogeneous_scoring import Scored, Scorer, score_candidates
+from hetplan.search.homogeneous_scoring import Scorer
 from hetplan.search.progress import ProgressHook, SearchProgress
 
 __all__ = [
@@ -46,6 +49,75 @@ __all__ = [
     "score_candidates",
     "search_homogeneous",
 ]
+
+
+@dataclass
+class Scored:
+    """Candidates that fit, with lower bounds of their iteration time, smallest first; and
+    what was pruned by memory."""
+
+    ranked: list[tuple[float, Candidate]]
+    candidates: int
+    fitting: int
+    min_memory_bytes: float
+
+
+def score_candidates(
+    model: ModelSpec,
+    cluster: Cluster,
+    global_batch: int,
+    precision: str,
+    params: CostParams | None = None,
+    space: SearchSpace | None = None,
+    flash_attention: bool = True,
+    memo: SearchMemo | None = None,
+    scorer: Scorer | None = None,
+    sync: bool = True,
+    exact_counts: bool = True,
+    cutoff: float = math.inf,
+) -> Scored:
+    """Returns every fitting candidate with a lower bound of its estimate() time, smallest
+    first (no estimate). ``memo`` may be shared by calls on clusters of the same node type.
+    ``sync`` False: the bound without the gradient reduction (``Scorer.bound_s``).
+    ``exact_counts`` False: the degrees and ZeRO stages whose state alone overflows memory
+    (``Scorer.state_overflows``) are not enumerated, so ``candidates`` and
+    ``min_memory_bytes`` count only the rest (the fitting ones are the same). ``cutoff``:
+    only candidates whose bound is at most this are kept (a search that wants nothing
+    slower), and one whose first bound is already at hand above it is not memory-checked,
+    so ``fitting`` and ``min_memory_bytes`` count only the rest."""
+    params = params or default_params()
+    space = space or SearchSpace()
+    if not cluster.is_homogeneous():  # (the bound reads one node's links for all)
+        raise InputError(
+            "--cluster", "the homogeneous search needs nodes of one GPU type, size and links"
+        )
+    gpu = cluster.nodes[0].gpu
+    if not gpu.supports(precision):
+        raise InputError("--precision", f"{gpu.name} has no {precision} support")
+    n = cluster.num_gpus
+    gpn = cluster.nodes[0].gpus
+    scored: list[tuple[float, tuple[object, ...], Candidate]] = []
+    count = 0
+    min_mem = math.inf
+    if scorer is None:
+        scorer = Scorer(model, cluster, precision, global_batch, params, flash_attention,
+                         memo or SearchMemo(), space)  # fmt: skip
+    overflows = None if exact_counts else scorer.state_overflows
+    for c in enumerate_candidates(model, n, gpn, global_batch, space, overflows):
+        count += 1
+        # under a cutoff, a bound already at hand first (it may spare the memory check)
+        known = scorer.known_first_bound(c) if cutoff < math.inf else None
+        if known is not None and known > cutoff:
+            continue
+        peak = scorer.peak_bytes(c)
+        if peak > gpu.memory_bytes:
+            min_mem = min(min_mem, peak)
+            continue
+        bound = known if known is not None and not sync else scorer.bound_s(c, sync)
+        if bound <= cutoff:
+            scored.append((bound, tiebreak(c), c))
+    scored.sort(key=lambda x: (x[0], x[1]))
+    return Scored([(t, c) for t, _, c in scored], count, len(scored), min_mem)
 
 
 @dataclass
