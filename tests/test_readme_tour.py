@@ -27,6 +27,9 @@ SHELLS = ("sh", "bash", "shell", "console")
 SKIP = re.compile(r"<!--\s*tour:\s*skip\s*\((?P<reason>[^)]*)\)\s*-->")
 FENCE = re.compile(r"^```(?P<lang>[\w-]*)\s*$")
 BLOCK_TIMEOUT_S = 300
+pytestmark = pytest.mark.xdist_group("readme_tour")
+"""Under ``make test`` (pytest-xdist, ``--dist loadgroup``) the blocks run on one worker,
+in order, in one folder: later blocks read what earlier ones wrote."""
 
 
 @dataclass(frozen=True)
