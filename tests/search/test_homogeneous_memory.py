@@ -3,12 +3,16 @@ candidate of clusters whose even splits put more layers on middle stages than on
 and the last (``even_layer_split``): a check of the first and the last stage alone passed
 candidates whose heavier middle stage overflows, each then estimated only to be refused."""
 
+from dataclasses import replace
+from itertools import pairwise
+
 import pytest
 
 from hetplan.cost.estimate import estimate
 from hetplan.cost.params import default_params
 from hetplan.market import market_from_dict
 from hetplan.model import load_model
+from hetplan.search.homogeneous import score_candidates
 from hetplan.search.homogeneous_candidates import SearchSpace, enumerate_candidates
 from hetplan.search.homogeneous_memory import SearchMemo, probe_stages
 from hetplan.search.homogeneous_scoring import Scorer
@@ -49,3 +53,69 @@ def test_probe_stages_by_hand():
     assert probe_stages(11, 5) == (0, 1, 2, 4)
     assert probe_stages(7, 1) == (0,)
     assert probe_stages(7, 2) == (0, 1)
+
+
+def _offer_cluster(gpu, gpn, nodes):
+    offer = {"gpu": gpu, "gpus_per_node": gpn, "max_nodes": nodes, "on_demand_usd_per_gpu_hour": 1}
+    return market_from_dict({"offers": [offer]}).offers[0].cluster(nodes, "on-demand")
+
+
+def test_peak_never_grows_with_dp_nor_with_sequence_parallelism_off():
+    # the two orders MemoryScorer.fits settles candidates by, checked by brute force over
+    # every candidate of 1-12 nodes: with all else equal, more replicas shard ZeRO's state
+    # further and leave the busiest fewer micro-batches; sequence parallelism only shards
+    model, params = load_model("gpt3-6.7b"), default_params()
+    space = SearchSpace(max_virtual_stages=4)
+    by_rest: dict[tuple, dict[int, float]] = {}
+    twins = 0
+    for nodes in range(1, 13):
+        cluster = _offer_cluster("V100-32GB", 8, nodes)
+        scorer = Scorer(model, cluster, "fp16", 192, params, True, SearchMemo(), space)
+        peaks = {c: scorer.peak_bytes(c) for c in enumerate_candidates(
+            model, cluster.num_gpus, 8, 192, space)}  # fmt: skip
+        for c, peak in peaks.items():
+            rest = (c.tp, c.pp, c.micro_batch, c.recompute, c.zero_stage, c.schedule,
+                    c.virtual_stages, c.sequence_parallel, c.lightened)  # fmt: skip
+            by_rest.setdefault(rest, {})[c.dp] = peak
+            if c.sequence_parallel:
+                off = replace(c, sequence_parallel=False)
+                assert peak < peaks[off], c
+                twins += 1
+    pairs = 0
+    for rest, peaks_by_dp in by_rest.items():
+        dps = sorted(peaks_by_dp)
+        for a, b in pairwise(dps):
+            assert peaks_by_dp[b] <= peaks_by_dp[a], (rest, a, b)
+            pairs += 1
+    assert pairs > 500 and twins > 500
+
+
+def test_settled_fits_equal_the_peaks_across_node_counts_sharing_a_memo():
+    # provisioning's visit: counts of one offer in turn, one memo; fits() settles by the
+    # orders, peak_bytes() computes, and both must agree on every candidate; the scored
+    # candidates are those of the exact path
+    model, params = load_model("gpt3-6.7b"), default_params()
+    space = SearchSpace(max_virtual_stages=4)
+    memo = SearchMemo()
+    settled = total = 0
+    for nodes in (6, 2, 9, 3, 12, 1, 4, 8):
+        cluster = _offer_cluster("V100-32GB", 8, nodes)
+        mem = cluster.nodes[0].gpu.memory_bytes
+        scorer = Scorer(model, cluster, "fp16", 192, params, True, memo, space)
+        fresh = Scorer(model, cluster, "fp16", 192, params, True, SearchMemo(), space)
+        fits_seen = []
+        for c in enumerate_candidates(model, cluster.num_gpus, 8, 192, space):
+            fits, peak = scorer.fits(c)
+            assert fits == (fresh.peak_bytes(c) <= mem), c
+            settled += peak is None
+            total += 1
+            fits_seen.append(fits)
+        assert any(fits_seen) and not all(fits_seen)
+        exact = score_candidates(model, cluster, 192, "fp16", params, space,
+                                 scorer=Scorer(model, cluster, "fp16", 192, params, True,
+                                               SearchMemo(), space))  # fmt: skip
+        quick = score_candidates(model, cluster, 192, "fp16", params, space, exact_counts=False,
+                                 scorer=Scorer(model, cluster, "fp16", 192, params, True,
+                                               memo, space))  # fmt: skip
+        assert [c for _, c in quick.ranked] == [c for _, c in exact.ranked]
+    assert settled > total // 4

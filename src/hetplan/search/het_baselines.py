@@ -61,7 +61,7 @@ def best_single_type(
             try:
                 res = search_homogeneous(
                     model, sub, global_batch, precision, 1, params, space=space,
-                    flash_attention=flash_attention, memo=memo,
+                    flash_attention=flash_attention, memo=memo, exact_counts=False,
                 )  # fmt: skip
                 answer = res.ranked[0] if res.ranked else None
             except InputError as exc:

@@ -80,7 +80,8 @@ def score_candidates(
     first (no estimate). ``memo`` may be shared by calls on clusters of the same node type.
     ``sync`` False: the bound without the gradient reduction (``Scorer.bound_s``).
     ``exact_counts`` False: the degrees and ZeRO stages whose state alone overflows memory
-    (``Scorer.state_overflows``) are not enumerated, so ``candidates`` and
+    (``Scorer.state_overflows``) are not enumerated, and memory is settled by its orders
+    where they can (``MemoryScorer.fits``, no peak then), so ``candidates`` and
     ``min_memory_bytes`` count only the rest (the fitting ones are the same). ``cutoff``:
     only candidates whose bound is at most this are kept (a search that wants nothing
     slower), and one whose first bound is already at hand above it is not memory-checked,
@@ -109,8 +110,13 @@ def score_candidates(
         known = scorer.known_first_bound(c) if cutoff < math.inf else None
         if known is not None and known > cutoff:
             continue
-        peak = scorer.peak_bytes(c)
-        if peak > gpu.memory_bytes:
+        if exact_counts:
+            peak = scorer.peak_bytes(c)
+            fits = peak <= gpu.memory_bytes
+        else:  # settled by the orders of memory where they can (no peak then)
+            fits, computed = scorer.fits(c)
+            peak = math.inf if computed is None else computed
+        if not fits:
             min_mem = min(min_mem, peak)
             continue
         bound = known if known is not None and not sync else scorer.bound_s(c, sync)

@@ -14,7 +14,7 @@ from hetplan.cluster import Cluster
 from hetplan.cost.sharding import dominated_by_zero1
 from hetplan.model import ModelSpec
 from hetplan.plan import Pipeline, Plan, Stage
-from hetplan.search.layout import even_layer_split, replica_shares, uniform_plan
+from hetplan.search.layout import even_layer_split, share_counts, uniform_plan
 
 
 def divisors(n: int) -> list[int]:
@@ -91,6 +91,7 @@ def enumerate_candidates(
             continue
         if model.heads % tp or model.ffn % tp or (model.kv_heads % tp and tp % model.kv_heads):
             continue
+        sps = [sp for sp in space.sequence_parallel if tp > 1 or not sp]
         for pp in divisors(num_gpus // tp):
             if pp > model.layers or (space.pp and pp not in space.pp):
                 continue
@@ -108,16 +109,16 @@ def enumerate_candidates(
             for mb in mbs:
                 if space.micro_batch and mb not in space.micro_batch:
                     continue
-                shares = replica_shares(global_batch, dp, mb)
-                assert shares is not None
-                counts = {s // mb for s in shares}
+                # the replicas' micro-batch counts (``layout.replica_shares``)
+                q, r = share_counts(global_batch, dp, mb)
+                counts = {q, q + 1} if r else {q}
                 schedules: list[tuple[str, int]] = [("1F1B", 1)]
                 if (pp > 1 and "Interleaved1F1B" in space.schedules
                         and all(m % pp == 0 for m in counts)):  # fmt: skip
                     min_layers = model.layers // pp
                     top_v = max(space.virtual_stages or (space.max_virtual_stages,))
+                    splits = set(even_layer_split(model.layers, pp))
                     for v in range(2, top_v + 1):
-                        splits = set(even_layer_split(model.layers, pp))
                         if v <= min_layers and all(x % v == 0 for x in splits):
                             schedules.append(("Interleaved1F1B", v))
                         elif lightens(model.layers, pp, v):
@@ -128,26 +129,25 @@ def enumerate_candidates(
                     schedules = [s for s in schedules if s[0] != "1F1B"]
                 if space.virtual_stages is not None:
                     schedules = [s for s in schedules if abs(s[1]) in space.virtual_stages]
+                zeros = []
+                for zero in space.zero_stages:
+                    if zero and dp == 1:
+                        continue
+                    if zero == 0 and dp > 1 and space.zero0_has_twin and zero1:
+                        continue
+                    if dominated_by_zero1(zero, dp, pp > 1, len(counts) > 1, space.zero_stages):
+                        # pipelined, frameworks run ZeRO-2/3 with ZeRO-1's traffic and no
+                        # less memory (DeepSpeed's pipeline engine refuses them; PyTorch's
+                        # pipelining stages defer FSDP's gradient sync and resharding to
+                        # the last micro-batch), and estimate prices them so
+                        # (cost.sharding.deferred_sync; docs/search.md)
+                        continue
+                    if zero not in full:
+                        zeros.append(zero)
                 for rc in space.recompute:
-                    for zero in space.zero_stages:
-                        if zero and dp == 1:
-                            continue
-                        if zero == 0 and dp > 1 and space.zero0_has_twin and zero1:
-                            continue
-                        if dominated_by_zero1(zero, dp, pp > 1, len(counts) > 1,
-                                              space.zero_stages):  # fmt: skip
-                            # pipelined, frameworks run ZeRO-2/3 with ZeRO-1's traffic
-                            # and no less memory (DeepSpeed's pipeline engine refuses them;
-                            # PyTorch's pipelining stages defer FSDP's gradient sync and
-                            # resharding to the last micro-batch), and estimate prices them
-                            # so (cost.sharding.deferred_sync; docs/search.md)
-                            continue
-                        if zero in full:
-                            continue
+                    for zero in zeros:
                         for sched, v in schedules:
-                            for sp in space.sequence_parallel:
-                                if sp and tp == 1:
-                                    continue
+                            for sp in sps:
                                 yield Candidate(tp, pp, dp, mb, rc, zero, sched, abs(v), sp,
                                                 v < 0)  # fmt: skip
 

@@ -67,6 +67,9 @@ class SearchMemo:
         self.sends: dict[tuple[object, ...], tuple[float, float]] = {}
         self.first: dict[tuple[object, ...], tuple[list[float], list[float], dict[int, float]]] = {}
         self.acts: dict[tuple[object, ...], float] = {}
+        self.fit_dp: dict[tuple[object, ...], list[int]] = {}
+        """Per candidate less its DP degree: the largest DP degree known not to fit and the
+        smallest known to fit (``MemoryScorer.fits``)."""
 
 
 @dataclass
@@ -143,6 +146,56 @@ class MemoryScorer:
                 )  # fmt: skip
             worst = max(worst, state + acts + self.params.memory_reserve_bytes)
         return worst
+
+    def fits(self, c: Candidate) -> tuple[bool, float | None]:
+        """Returns whether the candidate fits the GPU's memory, and its peak where it was
+        computed (``peak_bytes``); None where a bound settled it.
+
+        Two orders settle most candidates without their peak. With all else equal, the peak
+        never grows with the DP degree (the state ZeRO shards over it only shrinks, and the
+        busiest replica's micro-batches, hence those in flight, only fall), so a candidate
+        fits where one of a smaller DP degree does and not where one of a larger does not;
+        the degrees seen are kept per candidate less its DP degree, across node counts. And
+        sequence parallelism only shards activations: a candidate without it does not fit
+        where its twin with it does not (asked first where the space holds that twin, which
+        is then already settled when its turn comes)."""
+        limit = self.cluster.nodes[0].gpu.memory_bytes
+        known = self._known_fit(c, limit)
+        if known is not None:
+            return known, None
+        if not c.sequence_parallel and c.tp > 1 and True in self.space.sequence_parallel:
+            twin = Candidate(c.tp, c.pp, c.dp, c.micro_batch, c.recompute, c.zero_stage,
+                             c.schedule, c.virtual_stages, True, c.lightened)  # fmt: skip
+            twin_fits = self._known_fit(twin, limit)
+            if twin_fits is None:
+                twin_fits = self._record(twin, limit, self.peak_bytes(twin) <= limit)
+            if not twin_fits:
+                return self._record(c, limit, False), None
+        peak = self.peak_bytes(c)
+        return self._record(c, limit, peak <= limit), peak
+
+    def _fit_key(self, c: Candidate, limit: float) -> tuple[object, ...]:
+        return (c.tp, c.pp, c.micro_batch, c.recompute, c.zero_stage, c.schedule,
+                c.virtual_stages, c.sequence_parallel, c.lightened, self.global_batch,
+                self.precision, self.flash, limit)  # fmt: skip
+
+    def _known_fit(self, c: Candidate, limit: float) -> bool | None:
+        seen = self.memo.fit_dp.get(self._fit_key(c, limit))
+        if seen is None:
+            return None
+        if c.dp <= seen[0]:
+            return False
+        if c.dp >= seen[1]:
+            return True
+        return None
+
+    def _record(self, c: Candidate, limit: float, fits: bool) -> bool:
+        seen = self.memo.fit_dp.setdefault(self._fit_key(c, limit), [0, 1 << 62])
+        if fits:
+            seen[1] = min(seen[1], c.dp)
+        else:
+            seen[0] = max(seen[0], c.dp)
+        return fits
 
     def state_bytes(self, tp: int, pp: int, dp: int, zero: int, j: int) -> float:
         """Returns the weights, gradients and optimizer state one GPU of stage ``j`` holds

@@ -474,13 +474,33 @@ class Scorer(MemoryScorer):
             blocked = self.params.gpu(node.gpu.name).p2p_exposed
             const, per = [], []
             fill = drain = 0.0
+            # stages of one layer count and end share their times, and with these uniform
+            # transfers their waits depend only on being the first or the last (lightened
+            # stages' chunks differ: each asked on its own)
+            split = self.shape(c).split
+            times: dict[tuple[int, bool, bool], tuple[float, ...]] = {}
+            waits: dict[tuple[bool, bool], float] = {}
             for j in range(p):
-                fwd, bwd, rc, tpc, f_first, b_first = self._stage(c, plan, j, node)
-                wait = p2p_wait_s(sends, j, v, blocked)
+                first, last = j == 0, j == p - 1
+                tkey = (split[j], first, last)
+                hit_t = None if c.lightened else times.get(tkey)
+                if hit_t is None:
+                    hit_t = times[tkey] = self._stage(c, plan, j, node)
+                fwd, bwd, rc, tpc, f_first, b_first = hit_t
+                wait = waits.get((first, last))
+                if wait is None:
+                    wait = waits[(first, last)] = p2p_wait_s(sends, j, v, blocked)
                 const.append(fill + drain)
                 per.append(fwd + bwd + rc + tpc + wait)
                 fill += f_first + wait / 2 / v + sends[j]
                 drain += b_first + wait / 2 / v + sends[j]
+            # of stages with one per-micro-batch time only the largest constant can make the
+            # maximum (a + m x b rounds monotonically in a)
+            most: dict[float, float] = {}
+            for a, b in zip(const, per, strict=True):
+                if a > most.get(b, -math.inf):
+                    most[b] = a
+            const, per = list(most.values()), list(most)
             hit = self.memo.first[key] = (const, per, {})
         return _first_at(hit, m)
 

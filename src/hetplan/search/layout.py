@@ -37,8 +37,15 @@ def replica_shares(global_batch: int, dp: int, micro_batch: int) -> list[int] | 
         return [global_batch // dp] * dp
     if micro_batch <= 0 or global_batch % micro_batch or global_batch // micro_batch < dp:
         return None
-    q, r = divmod(global_batch // micro_batch, dp)
+    q, r = share_counts(global_batch, dp, micro_batch)
     return [(q + 1) * micro_batch] * r + [q * micro_batch] * (dp - r)
+
+
+def share_counts(global_batch: int, dp: int, micro_batch: int) -> tuple[int, int]:
+    """Returns (q, r): in ``replica_shares``, the first r replicas run q + 1 micro-batches and
+    the others q (r = 0 where the batch divides evenly; ``micro_batch`` must divide the
+    batch)."""
+    return divmod(global_batch // micro_batch, dp)
 
 
 def uniform_plan(
