@@ -124,6 +124,7 @@ class MemoryScorer:
         precision, memo = self.precision, self.memo
         most = most_micro_batches(self.global_batch, c.dp, c.micro_batch)  # the busiest's
         worst = 0.0
+        shape = None
         for j in probe_stages(self.model.layers, c.pp):
             first, last = j == 0, j == c.pp - 1
             state = self.state_bytes(c.tp, c.pp, c.dp, c.zero_stage, j)
@@ -134,7 +135,7 @@ class MemoryScorer:
                     c.virtual_stages, c.lightened, m, j, precision, self.flash)  # fmt: skip
             acts = memo.acts.get(akey)
             if acts is None:
-                shape = self.shape(c)
+                shape = shape or self.shape(c)
                 units = peak_in_flight(c.schedule, c.pp, m, c.virtual_stages, j)
                 split, v = shape.split, c.virtual_stages
                 light = lightened_chunks(split, v)[j] if c.lightened else None
