@@ -103,21 +103,24 @@ def least_gpus(
     a layer's backward at ``tps[k]`` taking ``drain.times[k]`` and each stage's
     ``drain.fixed``; a stage holds ``drain.loose`` units beyond the layers that fit (the
     embedding's and the head's whole-layer units, whose backward is not counted)."""
-    caps = stage_caps(layers, times, fixed, stage_s, most, drain)
+    # the degrees on a first axis: each degree's plane contiguous for the pairs below
+    caps = np.moveaxis(stage_caps(layers, times, fixed, stage_s, most, drain), -1, 0)
+    col = (len(tps),) + (1,) * (caps.ndim - 1)
     with np.errstate(divide="ignore", invalid="ignore"):
-        a = np.where(caps > 0, tps / caps, np.inf)  # GPUs per layer at each degree
-        b = np.where(caps > 0, times + fixed / caps, np.inf)  # path per layer
-        budget = path_s[..., None] * (1 + _SLACK)
-        best = np.where(layers * b <= budget, layers * a, np.inf).min(axis=-1)
+        pos = caps > 0
+        a = np.where(pos, np.reshape(tps, col) / caps, np.inf)  # GPUs per layer at each degree
+        b = np.where(pos, np.reshape(times, col) + fixed / caps, np.inf)  # path per layer
+        budget = path_s * (1 + _SLACK)
+        best = np.where(layers * b <= budget, layers * a, np.inf).min(axis=0)
+        finite = np.isfinite(a)
         for k1, k2 in itertools.combinations(range(len(tps)), 2):
-            a1, a2, b1, b2 = a[..., k1], a[..., k2], b[..., k1], b[..., k2]
-            fast = b1 < b2  # x layers at the faster-path degree, the rest at the other
-            af, as_, bf, bs = (np.where(fast, a1, a2), np.where(fast, a2, a1),
-                               np.where(fast, b1, b2), np.where(fast, b2, b1))  # fmt: skip
-            x = (layers * bs - budget[..., 0]) / (bs - bf)
-            ok = np.isfinite(af) & np.isfinite(as_) & (bf < bs) & (x >= 0) & (x <= layers)
-            g = np.where(ok, x * af + (layers - x) * as_, np.inf)
-            best = np.minimum(best, g)
+            a1, a2, b1, b2 = a[k1], a[k2], b[k1], b[k2]
+            # x layers at degree k1, the rest at k2, the path budget met exactly (the
+            # optimum mixes at most two degrees, the path bound binding)
+            x = (layers * b2 - budget) / (b2 - b1)
+            ok = finite[k1] & finite[k2] & (b1 != b2) & (x >= 0) & (x <= layers)
+            g = np.where(ok, x * a1 + (layers - x) * a2, np.inf)
+            np.minimum(best, g, out=best)
     return best
 
 
