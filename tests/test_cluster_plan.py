@@ -170,3 +170,30 @@ def test_malformed_plan_file(tmp_path):
     path.write_text(json.dumps({"global_batch_size": 2}))
     with pytest.raises(InputError, match="pipelines"):
         load_plan(path)
+
+
+def test_node_hash_is_the_fields_and_survives_pickling_into_another_process():
+    # a node keeps its hash (the searches' caches hash tuples of nodes many times); equal
+    # nodes hash alike, and a pickled node hashes afresh: string hashes differ by process
+    import pickle
+    import subprocess
+    import sys
+    from dataclasses import replace
+
+    node = load_cluster("A100-80GB:1x8").nodes[0]
+    twin = load_cluster("A100-80GB:1x8").nodes[0]
+    assert node == twin and hash(node) == hash(twin) and node is not twin
+    assert replace(node, gpus=4) != node
+    assert {node: 1}[twin] == 1
+    blob = pickle.dumps(node)  # after hashing: the kept hash must not travel
+    code = (
+        "import pickle, sys; from hetplan.cluster import load_cluster; "
+        "n = pickle.loads(sys.stdin.buffer.read()); m = load_cluster('A100-80GB:1x8').nodes[0]; "
+        "print(n == m, hash(n) == hash(m), {m: 1}.get(n))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], input=blob, capture_output=True,
+                         env={"PYTHONHASHSEED": "12345", "PATH": ""}, check=True)  # fmt: skip
+    assert out.stdout.decode().split() == ["True", "True", "1"]
+    devices = node.devices()
+    devices.append("x")  # a copy: the node's own names are untouched
+    assert node.devices() == [f"{node.name}:{i}" for i in range(8)]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -43,7 +43,26 @@ class Node:
 
     def devices(self) -> list[str]:
         """Returns the device names of this node ('name:0', 'name:1', ...)."""
-        return [f"{self.name}:{i}" for i in range(self.gpus)]
+        return list(self._devices)
+
+    @cached_property
+    def _devices(self) -> tuple[str, ...]:
+        return tuple(f"{self.name}:{i}" for i in range(self.gpus))
+
+    def __hash__(self) -> int:
+        # the dataclass's own hash of the compared fields, computed once: the searches'
+        # caches key on tuples of nodes and hash them many times a search
+        kept = self.__dict__.get("_hash")
+        if kept is None:
+            kept = hash(tuple(getattr(self, f.name) for f in fields(self) if f.compare))
+            object.__setattr__(self, "_hash", kept)
+        return int(kept)
+
+    def __getstate__(self) -> dict[str, Any]:
+        # string hashes differ between processes: a pickled or copied node hashes afresh
+        state = dict(self.__dict__)
+        state.pop("_hash", None)
+        return state
 
 
 @dataclass(frozen=True)
@@ -101,8 +120,11 @@ class Cluster:
 
     def devices(self) -> Iterator[str]:
         """Yields every device name, node by node."""
-        for node in self.nodes:
-            yield from node.devices()
+        return iter(self._devices)
+
+    @cached_property
+    def _devices(self) -> tuple[str, ...]:
+        return tuple(d for node in self.nodes for d in node._devices)
 
     @property
     def num_gpus(self) -> int:
