@@ -5,6 +5,7 @@ GPU (every candidate that fits, in order of a proven bound, no finalist cap)."""
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import cast
 
 from hetplan.cluster import Cluster
@@ -109,6 +110,9 @@ def best_uniform(
             dp = n_gpus // (tp * pp)
             if pp > model.layers or global_batch % dp:
                 continue
+            # one layout of the degrees (equal shares: dp divides the batch), its knobs set
+            # per candidate below
+            base = uniform_plan(cluster, model.layers, tp, pp, dp, 1, global_batch)
             for mb in divisors(global_batch // dp):
                 if mb > 8 if c.micro_batch is None else mb not in c.micro_batch:
                     continue
@@ -120,11 +124,10 @@ def best_uniform(
                         if dominated_by_zero1(zero, dp, pp > 1, False, zeros):
                             continue
                         sp = tp > 1 if c.sequence_parallel is None else c.sequence_parallel
-                        plan = uniform_plan(
-                            cluster, model.layers, tp, pp, dp, mb, global_batch,
-                            precision=precision, recompute=rc, zero_stage=zero,
-                            sequence_parallel=sp, flash_attention=flash_attention,
-                            overlap_tp_comm=c.overlap_tp_comm,
+                        plan = replace(
+                            base, micro_batch_size=mb, precision=precision, recompute=rc,
+                            zero_stage=zero, sequence_parallel=sp,
+                            flash_attention=flash_attention, overlap_tp_comm=c.overlap_tp_comm,
                         )  # fmt: skip
                         if not c.allows(plan):
                             continue
