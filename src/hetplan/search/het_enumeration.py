@@ -493,9 +493,10 @@ class Enumeration:
                 flash_attention=k.flash_attention,
                 overlap_tp_comm=k.overlap_tp_comm,
             )
-            if plan in s.seen:
+            seen = len(s.seen)
+            s.seen.add(plan)  # (hashed once)
+            if len(s.seen) == seen:
                 continue
-            s.seen.add(plan)
             if not s.constraints.allows(plan):
                 continue
             if s.bounds.bound_s(plan) >= s.cutoff_s:

@@ -158,10 +158,10 @@ class CandidatePool:
         assert self.bounds is not None
         if not self.constraints.allows(plan):
             return math.inf
-        key = canonical(plan)
-        if key in self.seen:
+        seen = len(self.seen)
+        self.seen.add(canonical(plan))  # (a plan's hash walks all its stages: taken once)
+        if len(self.seen) == seen:
             return math.inf
-        self.seen.add(key)
         ok, peak = self.bounds.fits(plan)
         if not ok:
             self.min_mem = min(self.min_mem, peak)
