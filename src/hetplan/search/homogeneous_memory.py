@@ -19,6 +19,7 @@ from hetplan.cost.memory import (
 )
 from hetplan.cost.params import CostParams
 from hetplan.cost.schedule import held_layers, memory_micro_batches, peak_in_flight
+from hetplan.cost.sharding import deferred
 from hetplan.model import ModelSpec
 from hetplan.plan import element_bytes
 from hetplan.search.homogeneous_candidates import Candidate, SearchSpace, most_micro_batches
@@ -176,9 +177,12 @@ class MemoryScorer:
         return self._record(c, limit, peak <= limit), peak
 
     def _fit_key(self, c: Candidate, limit: float) -> tuple[object, ...]:
+        # deferred ZeRO-2/3 holds more than the same stage run per micro-batch, and ZeRO-3
+        # defers only at DP degrees the batch does not divide: each kind orders on its own
         return (c.tp, c.pp, c.micro_batch, c.recompute, c.zero_stage, c.schedule,
                 c.virtual_stages, c.sequence_parallel, c.lightened, self.global_batch,
-                self.precision, self.flash, limit)  # fmt: skip
+                self.precision, self.flash, limit,
+                self.deferred(c.pp, c.dp, c.zero_stage))  # fmt: skip
 
     def _known_fit(self, c: Candidate, limit: float) -> bool | None:
         seen = self.memo.fit_dp.get(self._fit_key(c, limit))
@@ -200,15 +204,24 @@ class MemoryScorer:
 
     def state_bytes(self, tp: int, pp: int, dp: int, zero: int, j: int) -> float:
         """Returns the weights, gradients and optimizer state one GPU of stage ``j`` holds
-        (``memory.stage_state`` of the even split), memoised per degrees and ZeRO stage."""
+        (``memory.stage_state`` of the even split; ZeRO-2/3 deferred where ``estimate``
+        defers them: pipelined, or ZeRO-3 whose replicas run unequal micro-batch counts,
+        which the batch makes so exactly where the DP degree does not divide it), memoised
+        per degrees and ZeRO stage."""
         skey = (tp, pp, dp, zero, j, self.precision)
         state = self.states.get(skey)
         if state is None:
             split = even_layer_split(self.model.layers, pp)
+            later = self.deferred(pp, dp, zero)
             w, g, o = stage_state(self.model, split[j], tp, j == 0, j == pp - 1, pp == 1,
-                                  self.precision, zero, dp)  # fmt: skip
+                                  self.precision, zero, dp, later)  # fmt: skip
             state = self.states[skey] = w + g + o
         return state
+
+    def deferred(self, pp: int, dp: int, zero: int) -> bool:
+        """Returns whether candidates of these degrees and ZeRO stage run it deferred
+        (``sharding.deferred``, as ``estimate`` reads it from their plans)."""
+        return deferred(zero, dp, pp > 1, zero == 3 and self.global_batch % dp != 0)
 
     def state_overflows(self, tp: int, pp: int, dp: int, zero: int) -> bool:
         """Returns whether the first or the last stage's state and the reserve alone exceed
