@@ -154,7 +154,8 @@ def enumerate_candidates(
 
 def most_micro_batches(global_batch: int, dp: int, micro_batch: int) -> int:
     """Returns the micro-batches of the busiest replica (``layout.replica_shares``)."""
-    return -(-(global_batch // micro_batch) // dp)
+    q, r = share_counts(global_batch, dp, micro_batch)
+    return q + (r > 0)
 
 
 def lighten(plan: Plan, v: int) -> Plan:

@@ -31,7 +31,7 @@ from hetplan.cost.estimate import (
 from hetplan.cost.memory import (
     stage_params,
 )
-from hetplan.cost.sharding import bucket_count, deferred, deferred_sync, exposed_sync_s
+from hetplan.cost.sharding import bucket_count, deferred_sync, exposed_sync_s
 from hetplan.plan import Plan, element_bytes
 from hetplan.search.het_bounds import chunk_times, replay_is_exact
 from hetplan.search.homogeneous_candidates import (
@@ -200,8 +200,7 @@ class Scorer(MemoryScorer):
         knobs and, through ``deferred_sync``, whether its ZeRO-2/3 is deferred, which is
         never so for a knob-only plan), or the whole plan where the candidate's ZeRO-2/3 is
         deferred (pipelined, or ZeRO-3 with unequal micro-batch counts)."""
-        uneven = self.global_batch % c.dp != 0
-        if deferred(c.zero_stage, c.dp, c.pp > 1, c.zero_stage == 3 and uneven):
+        if self.deferred(c.pp, c.dp, c.zero_stage):
             return self.knob_plan(c)
         return self.knobs(c)
 
