@@ -110,6 +110,33 @@ def group_allreduce_s(
     return volume * (max(intra, inter) + latency)
 
 
+def allreduce_floor_s_per_byte(node: Node, members: int, largest: int, params: CostParams) -> float:
+    """Returns a lower bound, per byte of the buffer, of ``group_allreduce_s`` (and twice
+    ``group_allgather_s``/``group_reduce_scatter_s``) for any group of ``members`` devices
+    one of which is on ``node``, whatever nodes the others are on (``largest``: the most
+    GPUs a node of the cluster holds) and whoever shares the links. On one node it is a
+    ring: 2 (n - 1) / n bytes per byte over the node's link. Across k nodes the inter-node
+    phase alone takes 2 (k - 1) / k of the shard over the slowest share of a node's link;
+    the shard is the buffer over the fewest members on a node, ``node``'s share its link
+    over at least the members it holds, so at least 2 (k - 1) / k bytes per byte over
+    ``node``'s network link. The members span ``node`` and, past its GPUs, at least one more
+    node per ``largest`` of them. Latency is left out. 0 with a measured profile (its link
+    figures stand in for the datasheet's) or one member."""
+    if members <= 1 or params.compute.profile is not None:
+        return 0.0
+    name = node.gpu.name
+    net = node.network_bytes_per_s * params.network_efficiency_of(name)
+
+    def across(nodes: int) -> float:
+        return ring_allreduce_bytes(1.0, nodes) / net if net > 0 else math.inf
+
+    if members <= node.gpus:
+        link = node.intra_node_bytes_per_s * params.link_efficiency_of(name)
+        inside = ring_allreduce_bytes(1.0, members) / link if link > 0 else math.inf
+        return min(inside, across(2))
+    return across(1 + -(-(members - node.gpus) // max(largest, 1)))
+
+
 @dataclass(frozen=True)
 class _GroupShape:
     """What a collective reads of its members: how many nodes they are on, the fewest

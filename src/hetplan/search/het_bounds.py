@@ -20,7 +20,8 @@ from hetplan.cost.pipeline_classes import pipeline_classes, pipeline_talkers
 from hetplan.cost.schedule import EXACT_ACTION_LIMIT, held_layers, peak_in_flight, replay
 from hetplan.cost.sharding import deferred_sync
 from hetplan.model import ModelSpec
-from hetplan.plan import Plan, element_bytes
+from hetplan.plan import Pipeline, Plan, element_bytes
+from hetplan.search.het_space import Hashed
 
 
 def chunk_times(
@@ -116,6 +117,10 @@ def closed_bound_at(m: int, terms: ClosedTerms) -> float:
     return max(out, last + terms[0][2]) * (1.0 - 1e-9)
 
 
+LAYOUT_MEMO = 4096
+"""Pipelines whose talkers and classes ``PlanBounds`` keeps (cleared when full)."""
+
+
 class PlanBounds:
     """Memory and a proven lower bound of ``estimate``'s iteration time for concrete plans
     (devices placed), from ``estimate``'s own pieces; caches stage times, optimizer steps
@@ -138,6 +143,8 @@ class PlanBounds:
         self._opt: dict[tuple[object, ...], float] = {}
         self._pipe: dict[tuple[object, ...], float] = {} if pipes is None else pipes
         self._plans: dict[tuple[object, ...], float] = {}
+        self._layouts: dict[tuple[int, bool], tuple[object, dict[str, int], list[int]]] = {}
+        self._hashes: dict[int, Hashed] = {}
 
     def node(self, device: str) -> Node:
         """Returns the node of a device (memoized)."""
@@ -192,19 +199,43 @@ class PlanBounds:
               plan.overlap_tp_comm, plan.sequence_parallel)  # fmt: skip
         shards = plan.dp if plan.zero_stage >= 1 else 1
         # twins differing in the ZeRO stage alone share it (the optimizer's shards aside)
-        key = (plan.pipelines, plan.schedule, *tk, shards, exact)
+        key = (self._hashed(plan.pipelines), plan.schedule, *tk, shards, exact)
         hit = self._plans.get(key)
         if hit is None:
             hit = self._plans[key] = self._bound_s(plan, tk, shards, exact)
         return hit
 
+    def _hashed(self, pipelines: tuple[Pipeline, ...]) -> Hashed:
+        """Returns ``pipelines`` with its hash taken once per tuple (twins share one: the
+        memo's keys hash it for every knob setting otherwise), kept by its id."""
+        hit = self._hashes.get(id(pipelines))
+        if hit is not None and hit.value is pipelines:
+            return hit
+        if len(self._hashes) >= LAYOUT_MEMO:
+            self._hashes.clear()
+        hit = self._hashes[id(pipelines)] = Hashed(pipelines)
+        return hit
+
+    def _classes(self, plan: Plan) -> tuple[dict[str, int], list[int]]:
+        """Returns the plan's ``pipeline_talkers`` and ``pipeline_classes`` (a pipeline
+        identical for the cost model to an earlier one bounds the same), memoised for its
+        pipelines (twins share them; the tuple is kept, so its id stays its own)."""
+        key = (id(plan.pipelines), plan.virtual_stages > 1)
+        hit = self._layouts.get(key)
+        if hit is not None and hit[0] is plan.pipelines:
+            return hit[1], hit[2]
+        talkers = pipeline_talkers(plan, self.node)
+        same = pipeline_classes(plan, self.node, talkers, {})
+        if len(self._layouts) >= LAYOUT_MEMO:
+            self._layouts.clear()
+        self._layouts[key] = (plan.pipelines, talkers, same)
+        return talkers, same
+
     def _bound_s(self, plan: Plan, tk: tuple[object, ...], shards: int, exact: bool) -> float:
         model, params = self.model, self.params
         v = plan.virtual_stages
         act = plan.micro_batch_size * model.seq * model.hidden * element_bytes(plan.precision)
-        talkers = pipeline_talkers(plan, self.node)
-        # a pipeline identical for the cost model to an earlier one bounds the same
-        same = pipeline_classes(plan, self.node, talkers, {})
+        talkers, same = self._classes(plan)
         out = 0.0
         for r, pipe in enumerate(plan.pipelines):
             if same[r] != r:

@@ -32,6 +32,7 @@ from hetplan.search.het_pool import CandidatePool
 from hetplan.search.het_space import (
     pipeline_key,
     schedule_options,
+    seen_key,
     tp_options,
     zero_choices,
 )
@@ -494,7 +495,7 @@ class Enumeration:
                 overlap_tp_comm=k.overlap_tp_comm,
             )
             seen = len(s.seen)
-            s.seen.add(plan)  # (hashed once)
+            s.seen.add(seen_key(plan, ordered=True))
             if len(s.seen) == seen:
                 continue
             if not s.constraints.allows(plan):

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from hetplan.cost.dp_sync import reduction_floor_s
 from hetplan.plan import RECOMPUTE
 from hetplan.search.grouping import MilpMemo, identical_pipelines, select_pipelines
 from hetplan.search.het_pool import CandidatePool
@@ -77,6 +78,7 @@ class SearchState(CandidatePool):
     frontiers: FrontierCache = field(default_factory=dict)
     work_memo: dict[tuple[object, ...], tuple[list[float], float]] = field(default_factory=dict)
     settings: dict[tuple[object, ...], _Setting] = field(default_factory=dict)
+    ratio_memo: dict[tuple[object, ...], float] = field(default_factory=dict)
 
     def generate(self) -> None:
         """Runs the generation pass, a coordinate search over settings in order of their
@@ -120,7 +122,7 @@ class SearchState(CandidatePool):
         if hit is not None:
             return hit
         tables = self.class_tables(tps, knobs)
-        taus = sorted(per_layer_floor_s(t) for t in tables for _ in range(t.groups))
+        taus = sorted(tau for t in tables for tau in [per_layer_floor_s(t)] * t.groups)
         single = min(t.stage_s(0, True, True) for t in tables)
         split = min(t.stage_s(0, True, False) for t in tables) + min(
             t.stage_s(0, False, True) for t in tables
@@ -261,9 +263,11 @@ class SearchState(CandidatePool):
         v = knobs.virtual_stages
         depth = min(self.model.layers // v, MAX_STAGES)
         layers = self.model.layers
-        whole = capacity_bound_s(taus, total * layers, total * phi, hi * depth)
+        # every pipeline holds every layer: with lo or more, each reduces its gradients
+        held = layers * self._reduction_ratio(tps, knobs, lo)
+        whole = capacity_bound_s(taus, total * layers + lo * held, total * phi, hi * depth)
         one = math.ceil(total / hi)
-        out = max(whole, capacity_bound_s(taus, one * layers, one * phi, depth))
+        out = max(whole, capacity_bound_s(taus, (one * layers) + held, one * phi, depth))
         least = phi + layers * taus[0]
 
         def fill(m: int, p: int) -> float:  # the closed form: m micro-batches, p stages
@@ -281,6 +285,32 @@ class SearchState(CandidatePool):
             for p in range(1, depth + 1)
         )
         return max(out, max(piped, dense) * (1.0 - 1e-9))
+
+    def _reduction_ratio(self, tps: tuple[int, ...], knobs: Knobs, members: int) -> float:
+        """Returns the least, over the classes, of what a layer's gradient reduction among
+        ``members`` holders costs a TP group holding it (``dp_sync.reduction_floor_s``,
+        whatever the ZeRO stage: its devices reduce their shards at once) in layer-micro-
+        batches of its work (``per_layer_floor_s``); 0 for one holder."""
+        if members <= 1:
+            return 0.0
+        key = (tps, knobs.micro_batch, knobs.recompute, knobs.schedule, knobs.virtual_stages,
+               members)  # fmt: skip
+        hit = self.ratio_memo.get(key)
+        if hit is not None:
+            return hit
+        largest = max(n.gpus for n in self.cluster.nodes)
+        out = math.inf
+        for t in self.class_tables(tps, knobs):
+            tau = per_layer_floor_s(t)
+            if t.node is None or tau <= 0:
+                out = 0.0
+                break
+            sigma = reduction_floor_s(self.model, knobs.precision, t.tp, t.node, members,
+                                      largest, self.params)  # fmt: skip
+            out = min(out, sigma / tau)
+        out = 0.0 if not math.isfinite(out) else out
+        self.ratio_memo[key] = out
+        return out
 
     def _combo(
         self, tps: tuple[int, ...], knobs0: Knobs, zeros: tuple[tuple[int, ...], ...]

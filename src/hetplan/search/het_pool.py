@@ -13,7 +13,7 @@ from hetplan.cluster import Cluster
 from hetplan.cost.estimate import estimate
 from hetplan.cost.estimate_result import Estimate
 from hetplan.cost.params import CostParams
-from hetplan.cost.sharding import deferred_sync
+from hetplan.cost.sharding import deferred
 from hetplan.model import ModelSpec
 from hetplan.plan import Plan
 from hetplan.search.constraints import PlanConstraints, narrow
@@ -22,8 +22,9 @@ from hetplan.search.het_bounds import PlanBounds
 from hetplan.search.het_cache import SearchCache
 from hetplan.search.het_space import (
     MICRO_BATCHES,
-    canonical,
+    Hashed,
     schedule_options,
+    seen_key,
     tiebreak,
     zero_choices,
 )
@@ -62,7 +63,8 @@ class CandidatePool:
     """Best estimate per generating (TP degrees, micro-batch) setting."""
     origin: tuple[tuple[int, ...], int] | None = None
     pending: list[_Pending] = field(default_factory=list)
-    seen: set[Plan] = field(default_factory=set)
+    seen: set[object] = field(default_factory=set)
+    order: dict[int, Hashed] = field(default_factory=dict)
     tables: dict[tuple[int, int, Knobs], ClassTable] = field(default_factory=dict)
     acts: dict[tuple[object, ...], float] = field(default_factory=dict)
     """Peak activations, shared by every table (``class_table``)."""
@@ -159,7 +161,7 @@ class CandidatePool:
         if not self.constraints.allows(plan):
             return math.inf
         seen = len(self.seen)
-        self.seen.add(canonical(plan))  # (a plan's hash walks all its stages: taken once)
+        self.seen.add(seen_key(plan, self.order))
         if len(self.seen) == seen:
             return math.inf
         ok, peak = self.bounds.fits(plan)
@@ -177,12 +179,14 @@ class CandidatePool:
         with every chunk count its stages and batch shares allow."""
         sp = self.sequence_parallel_for(any(s.tp > 1 for p in plan.pipelines for s in p.stages))
         forms = [plan]
+        # what the forms and ZeRO stages read of the pipelines, each distinct shape once
+        shapes = {(tuple(s.layers for s in p.stages), plan.num_micro_batches(p))
+                  for p in plan.pipelines}  # fmt: skip
         if plan.schedule == "1F1B":
             for _, v in self.schedules_allowed(schedule_options(self.model.layers)[1:]):
                 if all(
-                    all(s.layers % v == 0 for s in p.stages)
-                    and (len(p.stages) == 1 or plan.num_micro_batches(p) % len(p.stages) == 0)
-                    for p in plan.pipelines
+                    all(n % v == 0 for n in layers) and (len(layers) == 1 or m % len(layers) == 0)
+                    for layers, m in shapes
                 ):
                     forms.append(replace(plan, schedule="Interleaved1F1B", virtual_stages=v))
         # several pipelines: ZeRO-1 reduces as much as ZeRO-0 and shards the optimizer step
@@ -190,11 +194,14 @@ class CandidatePool:
         zeros = zero_choices(plan.dp)[1:] if plan.dp > 1 else (0,)
         if self.constraints.zero_stage is not None and plan.dp > 1:
             zeros = self.zeros_allowed(zero_choices(plan.dp))  # ZeRO-0 too, if it is asked
+        # a ZeRO stage deferred to ZeRO-1's traffic (``deferred_sync``) takes ZeRO-1's time
+        # with more memory: dominated
+        pipelined = any(len(layers) > 1 for layers, _ in shapes)
+        uneven = len({m for _, m in shapes}) > 1
         for form in forms:
             for z in zeros:
-                cand = replace(form, zero_stage=z, sequence_parallel=sp)
-                if not deferred_sync(cand):  # ZeRO-1's time, more memory: dominated
-                    self.offer(cand)
+                if not deferred(z, plan.dp, pipelined, uneven):
+                    self.offer(replace(form, zero_stage=z, sequence_parallel=sp))
 
     def evaluate(self, plan: Plan, origin: tuple[tuple[int, ...], int] | None = None) -> Estimate:
         """Estimates one plan and records it."""

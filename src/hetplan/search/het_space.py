@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import replace
+from dataclasses import fields, replace
+from operator import attrgetter
 
 from hetplan.model import ModelSpec
 from hetplan.plan import RECOMPUTE, Pipeline, Plan
@@ -76,8 +77,52 @@ def pipeline_key(p: Pipeline) -> tuple[object, ...]:
 
 def canonical(plan: Plan) -> Plan:
     """Returns the plan with its pipelines in one order (``estimate`` does not depend on
-    their order): the key of the search's set of plans seen."""
+    their order)."""
     return replace(plan, pipelines=tuple(sorted(plan.pipelines, key=pipeline_key)))
+
+
+class Hashed:
+    """A value with its hash taken once (a memo key whose hash would walk it every time);
+    equal to another holding an equal value."""
+
+    __slots__ = ("hash", "source", "value")
+
+    def __init__(self, value: object, source: object = None) -> None:
+        self.value = value
+        self.hash = hash(value)
+        self.source = source  # what the value was made from (memos by its id keep it)
+
+    def __hash__(self) -> int:
+        return self.hash
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Hashed):
+            return NotImplemented
+        return self.value is other.value or (self.hash == other.hash and self.value == other.value)
+
+
+_KNOBS = attrgetter(*(f.name for f in fields(Plan) if f.compare and f.name != "pipelines"))
+"""A plan's compared fields but its pipelines, as one tuple."""
+
+
+def seen_key(
+    plan: Plan, order: dict[int, Hashed] | None = None, ordered: bool = False
+) -> tuple[Hashed, object]:
+    """Returns the key of the search's set of plans seen: the plan's pipelines in one order
+    (``estimate`` does not depend on their order), hashed once, and its other fields.
+    ``order``: a memo of the ordered pipelines by the id of the plan's (twins share them),
+    which keeps each tuple, so its id stays its own; ``ordered``: the plan's pipelines are
+    in that order already."""
+    if ordered:
+        return Hashed(plan.pipelines), _KNOBS(plan)
+    hit = None if order is None else order.get(id(plan.pipelines))
+    if hit is None or hit.source is not plan.pipelines:
+        hit = Hashed(tuple(sorted(plan.pipelines, key=pipeline_key)), plan.pipelines)
+        if order is not None:
+            if len(order) >= 4096:
+                order.clear()
+            order[id(plan.pipelines)] = hit
+    return hit, _KNOBS(plan)
 
 
 def tiebreak(plan: Plan) -> tuple[object, ...]:

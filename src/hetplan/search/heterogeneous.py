@@ -60,7 +60,7 @@ from hetplan.search.het_cache import SearchCache
 from hetplan.search.het_enumeration import ENUMERATION_BUDGET, Enumeration, enumerate_all
 from hetplan.search.het_generation import SearchState
 from hetplan.search.het_result import HeteroResult
-from hetplan.search.het_space import canonical
+from hetplan.search.het_space import seen_key
 from hetplan.search.progress import ProgressHook
 
 __all__ = ["HeteroResult", "search_heterogeneous", "search_with"]
@@ -161,7 +161,7 @@ def search_with(
     for b in (single, uniform):
         if b is not None:
             state.add(*b)
-            state.seen.add(canonical(b[0]))
+            state.seen.add(seen_key(b[0]))
     state.generate()
     proven = False
     if enumerate_budget > 0:
