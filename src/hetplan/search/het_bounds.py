@@ -21,7 +21,7 @@ from hetplan.cost.schedule import EXACT_ACTION_LIMIT, held_layers, peak_in_fligh
 from hetplan.cost.sharding import deferred_sync
 from hetplan.model import ModelSpec
 from hetplan.plan import Pipeline, Plan, element_bytes
-from hetplan.search.het_space import Hashed
+from hetplan.search.hashed import Hashed
 
 
 def chunk_times(

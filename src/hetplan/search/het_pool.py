@@ -18,11 +18,11 @@ from hetplan.model import ModelSpec
 from hetplan.plan import Plan
 from hetplan.search.constraints import PlanConstraints, narrow
 from hetplan.search.grouping import DeviceClass
+from hetplan.search.hashed import Hashed
 from hetplan.search.het_bounds import PlanBounds
 from hetplan.search.het_cache import SearchCache
 from hetplan.search.het_space import (
     MICRO_BATCHES,
-    Hashed,
     schedule_options,
     seen_key,
     tiebreak,

@@ -12,6 +12,7 @@ from operator import attrgetter
 from hetplan.model import ModelSpec
 from hetplan.plan import RECOMPUTE, Pipeline, Plan
 from hetplan.search.grouping import DeviceClass
+from hetplan.search.hashed import Hashed
 from hetplan.search.homogeneous_candidates import divisors
 
 MICRO_BATCHES = (1, 2, 4, 8)
@@ -79,26 +80,6 @@ def canonical(plan: Plan) -> Plan:
     """Returns the plan with its pipelines in one order (``estimate`` does not depend on
     their order)."""
     return replace(plan, pipelines=tuple(sorted(plan.pipelines, key=pipeline_key)))
-
-
-class Hashed:
-    """A value with its hash taken once (a memo key whose hash would walk it every time);
-    equal to another holding an equal value."""
-
-    __slots__ = ("hash", "source", "value")
-
-    def __init__(self, value: object, source: object = None) -> None:
-        self.value = value
-        self.hash = hash(value)
-        self.source = source  # what the value was made from (memos by its id keep it)
-
-    def __hash__(self) -> int:
-        return self.hash
-
-    def __eq__(self, other: object) -> bool:
-        if not isinstance(other, Hashed):
-            return NotImplemented
-        return self.value is other.value or (self.hash == other.hash and self.value == other.value)
 
 
 _KNOBS = attrgetter(*(f.name for f in fields(Plan) if f.compare and f.name != "pipelines"))
