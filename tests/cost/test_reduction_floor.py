@@ -132,3 +132,50 @@ def test_band_bound_charges_the_reduction_and_stays_below_estimate():
     state.ratio_memo[(tps, 2, "none", "1F1B", 1, 256)] = 0.0  # the bound without it
     without = state.band_bound_s(tps, knobs, 256, 256)
     assert with_reduction > without * 1.05
+
+
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+def test_plan_bound_ends_stages_with_their_reduction(zero):
+    """The heterogeneous search's bound of concrete plans (``PlanBounds``): 64 single-GPU
+    pipelines and 16 two-stage pipelines of GPT-3 1.3B on 8 A100-40GB nodes, every ZeRO
+    stage (pipelined ZeRO-2/3 deferred to ZeRO-1's once-a-step reduction; unpipelined
+    ZeRO-2/3 reduce every micro-batch: no tail): below ``estimate``, and above the bound
+    without the tail by the least stage's tail wherever one is due."""
+    from hetplan.search.het_bounds import PlanBounds, reduction_kind
+
+    model = ModelSpec("gpt3-1.3b", "gpt", 24, 2048, 16, 16, 8192, 50257, 2048)
+    cluster = parse_inline_cluster("A100-40GB:8x8")
+    params = default_params()
+    devices = list(cluster.devices())
+    single = tuple(Pipeline(2, (Stage(24, (d,)),)) for d in devices)
+    double = tuple(Pipeline(8, (Stage(12, (a,)), Stage(12, (b,))))
+                   for a, b in zip(devices[:32], devices[32:], strict=True))  # fmt: skip
+    for pipes in (single, double):
+        plan = Plan(global_batch_size=sum(p.batch_size for p in pipes), micro_batch_size=2,
+                    pipelines=pipes, precision="bf16", zero_stage=zero)  # fmt: skip
+        t = estimate(plan, model, cluster, params).iteration_time_s
+        bounds = PlanBounds(model, cluster, params)
+        bound = bounds.bound_s(plan)
+        assert bound <= t
+        due = reduction_kind(plan) is not None
+        assert due == (zero < 2 or len(pipes[0].stages) > 1)
+        bare = PlanBounds(model, cluster, params)
+        bare._tails = _Zero()  # every tail 0: the bound before the reduction was charged
+        if due:
+            # every stage's end moves by its tail: the bound by at least the least of them,
+            # 12 or 24 layers' floors among the plan's replicas
+            per_param, overlap = reduction_kind(plan)
+            layer = reduction_floor_s(model, "bf16", 1, cluster.nodes[0], plan.dp, 8, params,
+                                      per_param, overlap)  # fmt: skip
+            least = min(st.layers for st in pipes[0].stages) * layer
+            assert least > 0.01 * t
+            assert bound >= (bare.bound_s(plan) + least) * (1 - 1e-6)
+        else:
+            assert bound == bare.bound_s(plan)
+
+
+class _Zero(dict):
+    """A memo that answers 0 for every key."""
+
+    def get(self, key, default=None):
+        return 0.0

@@ -11,8 +11,11 @@ optimizer step from ``params.compute.optimizer_s``, memory from the memory funct
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from hetplan.cluster import Cluster, Node
 from hetplan.cost import comm
+from hetplan.cost.dp_sync import GRAD_BYTES, reduction_floor_s
 from hetplan.cost.estimate import StageKey, p2p_wait_s, part_split, stage_times
 from hetplan.cost.memory import held_chunks, stage_activation_bytes, stage_params, stage_state
 from hetplan.cost.params import CostParams
@@ -71,11 +74,23 @@ def pipeline_bound_s(
     p, v = len(fwd_c), len(fwd_c[0])
     if not replay_is_exact(p, m, v):
         return closed_bound_s(m, fwd_c, bwd_c, send_s, opt_s)
-    if p == 1 and v == 1:
-        ends = [m * (fwd_c[0][0] + bwd_c[0][0])]
-    else:
-        ends = replay(schedule, m, v, fwd_c, bwd_c, list(send_s)).last_backward_end_s
+    ends = last_backward_ends(schedule, m, fwd_c, bwd_c, send_s)
     return max(e + o for e, o in zip(ends, opt_s, strict=True)) * (1.0 - 1e-9)
+
+
+def last_backward_ends(
+    schedule: str,
+    m: int,
+    fwd_c: list[list[float]],
+    bwd_c: list[list[float]],
+    send_s: list[float],
+) -> list[float]:
+    """Returns each stage's last backward end in the replay of these times (where
+    ``replay_is_exact``: ``pipeline_bound_s``)."""
+    p, v = len(fwd_c), len(fwd_c[0])
+    if p == 1 and v == 1:
+        return [m * (fwd_c[0][0] + bwd_c[0][0])]
+    return replay(schedule, m, v, fwd_c, bwd_c, list(send_s)).last_backward_end_s
 
 
 def closed_bound_s(
@@ -117,6 +132,60 @@ def closed_bound_at(m: int, terms: ClosedTerms) -> float:
     return max(out, last + terms[0][2]) * (1.0 - 1e-9)
 
 
+def reduction_kind(plan: Plan) -> tuple[float, bool] | None:
+    """Returns what a plan's once-a-step gradient reduction moves, as bytes of an
+    all-reduce per parameter (4: ZeRO-0's fp32 all-reduce; (4 + e) / 2: ZeRO-1's, and
+    deferred ZeRO-2/3's, reduce-scatter and all-gather), and whether it overlaps the
+    backward; None where a stage reduces nothing once a step after its backward (one
+    pipeline, or ZeRO-2/3 reducing every micro-batch)."""
+    if plan.dp <= 1:
+        return None
+    if plan.zero_stage >= 2 and not deferred_sync(plan):
+        return None
+    per_param = GRAD_BYTES
+    if plan.zero_stage >= 1:
+        per_param = (GRAD_BYTES + element_bytes(plan.precision)) / 2.0
+    return per_param, plan.overlap_grad_reduce
+
+
+def reduction_tail_s(
+    model: ModelSpec,
+    precision: str,
+    layers: int,
+    tp: int,
+    node: Node,
+    dp: int,
+    largest: int,
+    params: CostParams,
+    kind: tuple[float, bool],
+) -> float:
+    """Returns a lower bound of what a stage of ``layers`` layers at TP ``tp`` on ``node``
+    waits for its gradient reduction after its last backward in ``estimate``: every one
+    of the plan's ``dp`` pipelines holds every layer, so each layer's
+    ``dp_sync.reduction_floor_s`` among ``dp`` holders (the embedding and the head left
+    out); ``estimate`` ends the stage no earlier than its last backward, every reduction's
+    unhidden part (``sharding.unhidden_sync_s``, all of it without overlap), then its
+    optimizer step."""
+    per_param, overlap = kind
+    one = reduction_floor_s(model, precision, tp, node, dp, largest, params, per_param, overlap)
+    return layers * one
+
+
+@dataclass
+class _Row:
+    """One distinct pipeline of a plan as ``PlanBounds`` bounds it."""
+
+    m: int
+    fwd: list[list[float]]
+    bwd: list[list[float]]
+    sends: list[float]
+    opt: list[float]
+    stages: list[tuple[Node, int, int]]
+    """Per stage: its node, TP degree and layers (its reduction's tail)."""
+    ends: list[float] | None
+    """Per stage, its last backward's end in the proven replay; None: the closed form."""
+
+
 LAYOUT_MEMO = 4096
 """Pipelines whose talkers and classes ``PlanBounds`` keeps (cleared when full)."""
 
@@ -133,7 +202,7 @@ class PlanBounds:
         model: ModelSpec,
         cluster: Cluster,
         params: CostParams,
-        pipes: dict[tuple[object, ...], float] | None = None,
+        pipes: dict[tuple[object, ...], list[float]] | None = None,
     ) -> None:
         self.model = model
         self.cluster = cluster
@@ -141,8 +210,11 @@ class PlanBounds:
         self._nodes: dict[str, Node] = {}
         self._stage: dict[tuple[object, ...], tuple[float, ...]] = {}
         self._opt: dict[tuple[object, ...], float] = {}
-        self._pipe: dict[tuple[object, ...], float] = {} if pipes is None else pipes
+        self._pipe: dict[tuple[object, ...], list[float]] = {} if pipes is None else pipes
         self._plans: dict[tuple[object, ...], float] = {}
+        self._rows: dict[tuple[object, ...], list[_Row]] = {}
+        self._tails: dict[tuple[object, ...], float] = {}
+        self._largest = max((n.gpus for n in cluster.nodes), default=1)
         self._layouts: dict[tuple[int, bool], tuple[object, dict[str, int], list[int]]] = {}
         self._hashes: dict[int, Hashed] = {}
 
@@ -192,17 +264,55 @@ class PlanBounds:
         """Returns a lower bound of ``estimate(plan).iteration_time_s``: per pipeline, the
         replay (or its closed-form bound) of ``stage_times`` with the plan's transfers
         (the node links shared as ``pipeline_talkers`` counts) and waits, each stage
-        ending with its optimizer step; gradient reduction and ZeRO-2/3's collectives
-        only add (left out). ``exact=False``: the closed-form bound alone (cheaper)."""
+        ending with its optimizer step and the part of its once-a-step gradient reduction
+        no overlap hides (``reduction_tail_s``); ZeRO-2/3's per-micro-batch collectives only
+        add (left out). ``exact=False``: the closed-form bound alone (cheaper)."""
         v = plan.virtual_stages
         tk = (plan.micro_batch_size, plan.precision, plan.recompute, v, plan.flash_attention,
               plan.overlap_tp_comm, plan.sequence_parallel)  # fmt: skip
         shards = plan.dp if plan.zero_stage >= 1 else 1
-        # twins differing in the ZeRO stage alone share it (the optimizer's shards aside)
-        key = (self._hashed(plan.pipelines), plan.schedule, *tk, shards, exact)
+        kind = reduction_kind(plan)
+        hashed = self._hashed(plan.pipelines)
+        key = (hashed, plan.schedule, *tk, shards, kind, exact)
         hit = self._plans.get(key)
         if hit is None:
-            hit = self._plans[key] = self._bound_s(plan, tk, shards, exact)
+            # twins differing in the ZeRO stage alone share the rows (the optimizer's shards
+            # aside); each reduction kind only adds its tails
+            rkey = (hashed, plan.schedule, *tk, shards, exact)
+            rows = self._rows.get(rkey)
+            if rows is None:
+                rows = self._rows[rkey] = self._pipeline_rows(plan, tk, shards, exact)
+            hit = self._plans[key] = self._combine(plan, rows, kind)
+        return hit
+
+    def _combine(self, plan: Plan, rows: list[_Row], kind: tuple[float, bool] | None) -> float:
+        """Returns the bound from each distinct pipeline's row, every stage's optimizer
+        step with its reduction's tail after its last backward."""
+        out = 0.0
+        for row in rows:
+            opt = row.opt
+            if kind is not None:
+                pairs = zip(row.opt, row.stages, strict=True)
+                opt = [
+                    o + self._tail(node, tp, layers, plan, kind) for o, (node, tp, layers) in pairs
+                ]
+            if row.ends is not None:
+                b = max(e + o for e, o in zip(row.ends, opt, strict=True)) * (1.0 - 1e-9)
+            else:
+                b = closed_bound_s(row.m, row.fwd, row.bwd, row.sends, opt)
+            out = max(out, b)
+        return out
+
+    def _tail(
+        self, node: Node, tp: int, layers: int, plan: Plan, kind: tuple[float, bool]
+    ) -> float:
+        """Returns ``reduction_tail_s`` of one stage (memoised)."""
+        key = (id(node), tp, layers, plan.dp, plan.precision, kind)
+        hit = self._tails.get(key)
+        if hit is None:
+            hit = self._tails[key] = reduction_tail_s(self.model, plan.precision, layers, tp, node,
+                                                      plan.dp, self._largest, self.params,
+                                                      kind)  # fmt: skip
         return hit
 
     def _hashed(self, pipelines: tuple[Pipeline, ...]) -> Hashed:
@@ -231,12 +341,17 @@ class PlanBounds:
         self._layouts[key] = (plan.pipelines, talkers, same)
         return talkers, same
 
-    def _bound_s(self, plan: Plan, tk: tuple[object, ...], shards: int, exact: bool) -> float:
+    def _pipeline_rows(
+        self, plan: Plan, tk: tuple[object, ...], shards: int, exact: bool
+    ) -> list[_Row]:
+        """Returns, per distinct pipeline, its chunk times, transfers, optimizer steps and
+        the stages' (node, TP, layers), with its stages' last backward ends where the replay
+        is proven (``exact``), else None (the closed form)."""
         model, params = self.model, self.params
         v = plan.virtual_stages
         act = plan.micro_batch_size * model.seq * model.hidden * element_bytes(plan.precision)
         talkers, same = self._classes(plan)
-        out = 0.0
+        out: list[_Row] = []
         for r, pipe in enumerate(plan.pipelines):
             if same[r] != r:
                 continue
@@ -281,15 +396,15 @@ class PlanBounds:
                 fc, bc = chunk_times(fwd[j], bwd[j], w, v, parts[j])  # type: ignore[arg-type]
                 fwd_c.append(fc)
                 bwd_c.append(bc)
-            if not exact:
-                out = max(out, closed_bound_s(m, fwd_c, bwd_c, sends, opt))
-                continue
-            pkey = (plan.schedule, m, tuple(map(tuple, fwd_c)), tuple(map(tuple, bwd_c)),
-                    tuple(sends), tuple(opt))  # fmt: skip
-            hit = self._pipe.get(pkey)
-            if hit is None:
-                hit = self._pipe[pkey] = pipeline_bound_s(
-                    plan.schedule, m, fwd_c, bwd_c, sends, opt
-                )
-            out = max(out, hit)
+            ends = None
+            if exact and replay_is_exact(p, m, v):
+                pkey = (plan.schedule, m, tuple(map(tuple, fwd_c)), tuple(map(tuple, bwd_c)),
+                        tuple(sends))  # fmt: skip
+                ends = self._pipe.get(pkey)
+                if ends is None:
+                    ends = self._pipe[pkey] = last_backward_ends(
+                        plan.schedule, m, fwd_c, bwd_c, sends
+                    )
+            desc = [(nodes[j], st.tp, st.layers) for j, st in enumerate(pipe.stages)]
+            out.append(_Row(m, fwd_c, bwd_c, sends, opt, desc, ends))
         return out
