@@ -293,8 +293,7 @@ class SearchState(CandidatePool):
         batches of its work (``per_layer_floor_s``); 0 for one holder."""
         if members <= 1:
             return 0.0
-        key = (tps, knobs.micro_batch, knobs.recompute, knobs.schedule, knobs.virtual_stages,
-               members)  # fmt: skip
+        key = (tps, knobs, members)
         hit = self.ratio_memo.get(key)
         if hit is not None:
             return hit

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import fields, replace
+from dataclasses import fields
 from operator import attrgetter
 
 from hetplan.model import ModelSpec
@@ -74,12 +74,6 @@ def zero_choices(dp: int) -> tuple[int, ...]:
 
 def pipeline_key(p: Pipeline) -> tuple[object, ...]:
     return (p.batch_size, tuple((s.layers, s.devices) for s in p.stages))
-
-
-def canonical(plan: Plan) -> Plan:
-    """Returns the plan with its pipelines in one order (``estimate`` does not depend on
-    their order)."""
-    return replace(plan, pipelines=tuple(sorted(plan.pipelines, key=pipeline_key)))
 
 
 _KNOBS = attrgetter(*(f.name for f in fields(Plan) if f.compare and f.name != "pipelines"))
