@@ -273,6 +273,16 @@ gradients by default; AMP's T4 trials, the fp16 runs with data parallelism in th
 data, are ranked better with fp32 volumes, so 4 bytes stays.)"""
 
 
+def reduction_bytes_per_param(zero_stage: int, precision: str) -> float:
+    """Returns the bytes per parameter of an all-reduce that a once-a-step gradient
+    reduction moves: ZeRO-0's all-reduce of fp32 gradients (4); ZeRO-1's (and deferred
+    ZeRO-2/3's) reduce-scatter of them and all-gather of the values, half an all-reduce's
+    volume each ((4 + e) / 2, e the element size: ``grad_sync_times``)."""
+    if zero_stage == 0:
+        return GRAD_BYTES
+    return (GRAD_BYTES + element_bytes(precision)) / 2.0
+
+
 def reduction_floor_s(
     model: ModelSpec,
     precision: str,
@@ -289,10 +299,8 @@ def reduction_floor_s(
     (``largest``: the most GPUs a node of the cluster holds), whatever the ZeRO stage
     (``per_param``: bytes an all-reduce of which it moves per parameter; default the least
     of any stage). Each device reduces the layer's parameters over its TP degree (at least:
-    a segment's volume is over its holders' least degree) among the holders: ZeRO-0 an
-    all-reduce of fp32 gradients (4 bytes); ZeRO-1, and ZeRO-2/3 deferred to it, a
-    reduce-scatter of them and an all-gather of the values, half an all-reduce's volume each
-    ((4 + e) / 2, e the element size: ``grad_sync_times``), ZeRO-2 a reduce-scatter per
+    a segment's volume is over its holders' least degree) among the holders: once a step
+    (``reduction_bytes_per_param``), or ZeRO-2 a reduce-scatter per
     micro-batch and the all-gather after the step, ZeRO-3 two gathers and a reduce-scatter
     per micro-batch (at least (4 + e) / 2 either way: ``sharded_microbatch_s``), each at
     least ``comm.allreduce_floor_s_per_byte``. At least ``1 - grad_overlap`` of it (of the
@@ -301,7 +309,7 @@ def reduction_floor_s(
     if members <= 1:
         return 0.0
     if per_param is None:
-        per_param = (GRAD_BYTES + element_bytes(precision)) / 2.0
+        per_param = reduction_bytes_per_param(1, precision)
     share = params.gpu(node.gpu.name).grad_overlap if overlap else 0.0
     per_byte = comm.allreduce_floor_s_per_byte(node, members, largest, params)
     return (1.0 - share) * model.layer_params() / tp * per_param * per_byte

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from hetplan.cluster import Cluster, Node
 from hetplan.cost import comm
-from hetplan.cost.dp_sync import GRAD_BYTES, reduction_floor_s
+from hetplan.cost.dp_sync import reduction_bytes_per_param, reduction_floor_s
 from hetplan.cost.estimate import StageKey, p2p_wait_s, part_split, stage_times
 from hetplan.cost.memory import held_chunks, stage_activation_bytes, stage_params, stage_state
 from hetplan.cost.params import CostParams
@@ -134,41 +134,14 @@ def closed_bound_at(m: int, terms: ClosedTerms) -> float:
 
 def reduction_kind(plan: Plan) -> tuple[float, bool] | None:
     """Returns what a plan's once-a-step gradient reduction moves, as bytes of an
-    all-reduce per parameter (4: ZeRO-0's fp32 all-reduce; (4 + e) / 2: ZeRO-1's, and
-    deferred ZeRO-2/3's, reduce-scatter and all-gather), and whether it overlaps the
-    backward; None where a stage reduces nothing once a step after its backward (one
-    pipeline, or ZeRO-2/3 reducing every micro-batch)."""
+    all-reduce per parameter (``dp_sync.reduction_bytes_per_param``), and whether it
+    overlaps the backward; None where a stage reduces nothing once a step after its
+    backward (one pipeline, or ZeRO-2/3 reducing every micro-batch)."""
     if plan.dp <= 1:
         return None
     if plan.zero_stage >= 2 and not deferred_sync(plan):
         return None
-    per_param = GRAD_BYTES
-    if plan.zero_stage >= 1:
-        per_param = (GRAD_BYTES + element_bytes(plan.precision)) / 2.0
-    return per_param, plan.overlap_grad_reduce
-
-
-def reduction_tail_s(
-    model: ModelSpec,
-    precision: str,
-    layers: int,
-    tp: int,
-    node: Node,
-    dp: int,
-    largest: int,
-    params: CostParams,
-    kind: tuple[float, bool],
-) -> float:
-    """Returns a lower bound of what a stage of ``layers`` layers at TP ``tp`` on ``node``
-    waits for its gradient reduction after its last backward in ``estimate``: every one
-    of the plan's ``dp`` pipelines holds every layer, so each layer's
-    ``dp_sync.reduction_floor_s`` among ``dp`` holders (the embedding and the head left
-    out); ``estimate`` ends the stage no earlier than its last backward, every reduction's
-    unhidden part (``sharding.unhidden_sync_s``, all of it without overlap), then its
-    optimizer step."""
-    per_param, overlap = kind
-    one = reduction_floor_s(model, precision, tp, node, dp, largest, params, per_param, overlap)
-    return layers * one
+    return reduction_bytes_per_param(plan.zero_stage, plan.precision), plan.overlap_grad_reduce
 
 
 @dataclass
@@ -215,7 +188,7 @@ class PlanBounds:
         self._rows: dict[tuple[object, ...], list[_Row]] = {}
         self._tails: dict[tuple[object, ...], float] = {}
         self._largest = max((n.gpus for n in cluster.nodes), default=1)
-        self._layouts: dict[tuple[int, bool], tuple[object, dict[str, int], list[int]]] = {}
+        self._layouts: dict[tuple[Hashed, bool], tuple[dict[str, int], list[int]]] = {}
         self._hashes: dict[int, Hashed] = {}
 
     def node(self, device: str) -> Node:
@@ -265,7 +238,7 @@ class PlanBounds:
         replay (or its closed-form bound) of ``stage_times`` with the plan's transfers
         (the node links shared as ``pipeline_talkers`` counts) and waits, each stage
         ending with its optimizer step and the part of its once-a-step gradient reduction
-        no overlap hides (``reduction_tail_s``); ZeRO-2/3's per-micro-batch collectives only
+        no overlap hides (``_tail``); ZeRO-2/3's per-micro-batch collectives only
         add (left out). ``exact=False``: the closed-form bound alone (cheaper)."""
         v = plan.virtual_stages
         tk = (plan.micro_batch_size, plan.precision, plan.recompute, v, plan.flash_attention,
@@ -306,13 +279,20 @@ class PlanBounds:
     def _tail(
         self, node: Node, tp: int, layers: int, plan: Plan, kind: tuple[float, bool]
     ) -> float:
-        """Returns ``reduction_tail_s`` of one stage (memoised)."""
-        key = (id(node), tp, layers, plan.dp, plan.precision, kind)
+        """Returns a lower bound of what a stage of ``layers`` layers at TP ``tp`` on
+        ``node`` waits for its gradient reduction after its last backward in ``estimate``
+        (memoised): every one of the plan's ``dp`` pipelines holds every layer, so each
+        layer's ``dp_sync.reduction_floor_s`` among ``dp`` holders (the embedding and the head
+        left out); ``estimate`` ends the stage no earlier than its last backward, every
+        reduction's unhidden part (``sharding.unhidden_sync_s``, all of it without overlap),
+        then its optimizer step."""
+        key = (id(node), tp, layers, plan.dp, kind)
         hit = self._tails.get(key)
         if hit is None:
-            hit = self._tails[key] = reduction_tail_s(self.model, plan.precision, layers, tp, node,
-                                                      plan.dp, self._largest, self.params,
-                                                      kind)  # fmt: skip
+            per_param, overlap = kind
+            one = reduction_floor_s(self.model, plan.precision, tp, node, plan.dp, self._largest,
+                                    self.params, per_param, overlap)  # fmt: skip
+            hit = self._tails[key] = layers * one
         return hit
 
     def _hashed(self, pipelines: tuple[Pipeline, ...]) -> Hashed:
@@ -329,17 +309,16 @@ class PlanBounds:
     def _classes(self, plan: Plan) -> tuple[dict[str, int], list[int]]:
         """Returns the plan's ``pipeline_talkers`` and ``pipeline_classes`` (a pipeline
         identical for the cost model to an earlier one bounds the same), memoised for its
-        pipelines (twins share them; the tuple is kept, so its id stays its own)."""
-        key = (id(plan.pipelines), plan.virtual_stages > 1)
+        pipelines (twins share them; keyed by ``_hashed``)."""
+        key = (self._hashed(plan.pipelines), plan.virtual_stages > 1)
         hit = self._layouts.get(key)
-        if hit is not None and hit[0] is plan.pipelines:
-            return hit[1], hit[2]
-        talkers = pipeline_talkers(plan, self.node)
-        same = pipeline_classes(plan, self.node, talkers, {})
-        if len(self._layouts) >= LAYOUT_MEMO:
-            self._layouts.clear()
-        self._layouts[key] = (plan.pipelines, talkers, same)
-        return talkers, same
+        if hit is None:
+            talkers = pipeline_talkers(plan, self.node)
+            hit = (talkers, pipeline_classes(plan, self.node, talkers, {}))
+            if len(self._layouts) >= LAYOUT_MEMO:
+                self._layouts.clear()
+            self._layouts[key] = hit
+        return hit
 
     def _pipeline_rows(
         self, plan: Plan, tk: tuple[object, ...], shards: int, exact: bool

@@ -494,9 +494,7 @@ class Enumeration:
                 flash_attention=k.flash_attention,
                 overlap_tp_comm=k.overlap_tp_comm,
             )
-            seen = len(s.seen)
-            s.seen.add(seen_key(plan, ordered=True))
-            if len(s.seen) == seen:
+            if not s.first_seen(seen_key(plan, ordered=True)):
                 continue
             if not s.constraints.allows(plan):
                 continue

@@ -154,15 +154,20 @@ class CandidatePool:
         if t < self.best_s:
             self.best_s = t
 
+    def first_seen(self, key: object) -> bool:
+        """Adds a plan's ``seen_key`` to the plans seen; returns whether it was new (the
+        key hashed once)."""
+        before = len(self.seen)
+        self.seen.add(key)
+        return len(self.seen) > before
+
     def offer(self, plan: Plan) -> float:
         """Queues a candidate that fits under its lower bound (returns the bound; inf when
         it does not fit or was seen)."""
         assert self.bounds is not None
         if not self.constraints.allows(plan):
             return math.inf
-        seen = len(self.seen)
-        self.seen.add(seen_key(plan, self.order))
-        if len(self.seen) == seen:
+        if not self.first_seen(seen_key(plan, self.order)):
             return math.inf
         ok, peak = self.bounds.fits(plan)
         if not ok:
