@@ -72,6 +72,25 @@ def test_asymmetric_plans_are_refused():
         deepspeed_config(plan, model)
 
 
+def test_stages_of_different_tensor_parallel_degrees_are_refused():
+    # the heterogeneous search's plans may give each stage its own TP degree (16 replicas of
+    # TP 1, 1, 2 on the mixed 64-GPU cluster); Megatron-LM and DeepSpeed take one degree
+    model = load_model("gpt3-6.7b")
+    stages = (Stage(21, ("a:0",)), Stage(9, ("b:0",)), Stage(2, ("c:0", "c:1")))
+    plan = Plan(global_batch_size=8, micro_batch_size=1, precision="fp16",
+                pipelines=(Pipeline(8, stages),), sequence_parallel=True)  # fmt: skip
+    for export in (megatron_args, deepspeed_config):
+        with pytest.raises(InputError, match=r"one tensor-parallel degree.*TP 1, 1, 2"):
+            export(plan, model)
+    # one degree on every stage exports; sequence parallelism only where TP splits
+    even = replace(plan, pipelines=(Pipeline(8, tuple(Stage(n, ("a:0", "a:1")) for n in
+                                                      (11, 11, 10))),))  # fmt: skip
+    assert "--tensor-model-parallel-size=2" in megatron_args(even, model)
+    assert "--sequence-parallel" in megatron_args(even, model)
+    one = replace(plan, pipelines=(Pipeline(8, (Stage(32, ("a:0",)),)),))
+    assert "--sequence-parallel" not in megatron_args(one, model)
+
+
 def test_distributed_optimizer_gathers_parameters_under_compute_only_when_it_reduces_so():
     """The model hides ZeRO-1's parameter all-gather behind compute when the plan overlaps
     the gradient reduction; Megatron-Core does that only with --overlap-param-gather, and

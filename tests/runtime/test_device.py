@@ -45,3 +45,26 @@ def test_tf32_switch_sets_the_cuda_matmul_flags() -> None:
         assert (matmul.allow_tf32, cudnn.allow_tf32) == (False, False)
     finally:
         matmul.allow_tf32, cudnn.allow_tf32 = before
+
+
+def test_a_plan_that_does_not_fit_is_refused_before_start(
+    tmp_path: Path, inputs: dict[str, Path], write_plan: Any
+) -> None:
+    # the tiny GPT's 4 layers of 32 wide hold 12 x 32^2 x 4 = 49,152 weights, 16 bytes each
+    # with Adam in mixed precision: 786 kB of state on a device of 100 kB
+    cluster = tmp_path / "small.yaml"
+    cluster.write_text(
+        "gpu_types:\n  cpu: {fp32_tflops: 0.1, fp16_tflops: 0.2, memory_gb: 0.0001, "
+        "hbm_gbyte_per_s: 10}\nnodes:\n  - {name: host, gpu: cpu, gpus: 4}\n"
+    )
+    plan = write_plan(tmp_path / "p.json", [(4, [(4, [0])]), (4, [(4, [1])])])
+    root = tmp_path / "ckpt"
+    cmd = [
+        sys.executable, "-m", "hetplan", "launch", str(plan), "--model", str(inputs["gpt"]),
+        "--cluster", str(cluster), "--device", "cpu", "--checkpoint-dir", str(root),
+    ]  # fmt: skip
+    res = subprocess.run(cmd, env=_env(1), capture_output=True, text=True, timeout=300)
+    assert res.returncode == 2, res.stderr
+    line = res.stderr.strip()
+    assert line.startswith("error: PLAN: does not fit in memory: host:0 (cpu, pipeline 0"), line
+    assert line.endswith("of 0.0 GB") and res.stdout == "" and not root.exists()

@@ -79,6 +79,39 @@ def print_json(obj: Any) -> None:
     sys.stdout.flush()
 
 
+def refuse_unfit(est: Any, option: str) -> None:
+    """Raises InputError naming ``option`` if the estimated plan does not fit in memory (a
+    plan that cannot run is bad input, exit code 2), with what its worst stage needs."""
+    shortfall = est.memory_shortfall()
+    if shortfall is not None:
+        raise InputError(option, f"does not fit in memory: {shortfall}")
+
+
+def no_fit_message(min_bytes: float, cluster: Cluster, floor_bytes: float = 0.0) -> str:
+    """Returns why a search found no plan: the least per-GPU need of any plan it weighed
+    against the largest GPU; where it weighed none (``min_bytes`` inf), that no split of the
+    layers fits, with the state's own per-GPU need ``floor_bytes`` (0: no layout divides the
+    model, batch and cluster at all)."""
+    capacity = max(g.memory_bytes for g in cluster.gpu_types_used())
+    if min_bytes == float("inf") and floor_bytes > capacity:
+        return (
+            f"no plan fits in memory: the model's weights, gradients and optimizer state "
+            f"alone need at least {floor_bytes / 1e9:.1f} GB per GPU, sharded over all, "
+            f"the largest GPU has {capacity / 1e9:.1f} GB"
+        )
+    if min_bytes == float("inf") and floor_bytes > 0:
+        return (
+            f"no plan fits in memory: no split of the model's layers over these GPUs fits "
+            f"(the largest GPU has {capacity / 1e9:.1f} GB)"
+        )
+    if min_bytes == float("inf"):
+        return "no plan: no parallel layout divides this model, batch and cluster"
+    return (
+        f"no plan fits in memory: the smallest per-GPU need of any plan is "
+        f"{min_bytes / 1e9:.1f} GB, the largest GPU has {capacity / 1e9:.1f} GB"
+    )
+
+
 def tf32_note(gpus: Any, precision: str, as_json: bool) -> None:
     """Prints, once, that fp32 means CUDA cores when a GPU has TF32 tensor cores."""
     if precision == "fp32" and not as_json and any(g.has_tf32 for g in gpus):

@@ -13,6 +13,7 @@ import typer
 from hetplan.cluster import Cluster, load_cluster
 from hetplan.commands.common import (
     load_cost,
+    no_fit_message,
     out,
     print_json,
     print_warnings,
@@ -63,16 +64,6 @@ def register(app: typer.Typer) -> None:
     app.command()(plan)
     app.command()(predict)
     app.command()(explain)
-
-
-def _no_fit_message(min_bytes: float, cluster: Cluster) -> str:
-    capacity = max(g.memory_bytes for g in cluster.gpu_types_used())
-    if min_bytes == float("inf"):
-        return "no plan: no parallel layout divides this model, batch and cluster"
-    return (
-        f"no plan fits in memory: the smallest per-GPU need of any plan is "
-        f"{min_bytes / 1e9:.1f} GB, the largest GPU has {capacity / 1e9:.1f} GB"
-    )
 
 
 def plan(
@@ -145,13 +136,13 @@ def plan(
     from hetplan.report.progress import ProgressBar
 
     with ProgressBar.for_cli(as_json) as bar:  # after a second, on a terminal, not --json
-        ranked, min_mem, result, baselines = search(limits, top, bar)
+        ranked, no_fit, result, baselines = search(limits, top, bar)
     elapsed = time.perf_counter() - start
     if not ranked:
         if limits.active:
             field, reason = _infeasible(search, limits)
             raise InputError(field, reason)
-        raise InputError("plan", _no_fit_message(min_mem, cl))
+        raise InputError("plan", no_fit)
     ranked = [(dataclasses.replace(p, model=spec), e) for p, e in ranked]  # files state it
     best_plan, best_est = ranked[0]
     if out_path is not None:
@@ -190,15 +181,16 @@ def plan(
         out.print(f"best plan written to {out_path}")
 
 
-SearchOutcome = tuple[list[tuple[Plan, Estimate]], float, dict[str, Any], dict[str, Any] | None]
+SearchOutcome = tuple[list[tuple[Plan, Estimate]], str, dict[str, Any], dict[str, Any] | None]
 
 
 def _plan_search(
     spec: ModelSpec, cl: Cluster, batch: int, prec: str, params: CostParams, heterogeneous: bool
 ) -> Any:
-    """Returns a function (constraints, top) -> (ranked plans, least memory need, extra JSON
-    fields, baselines) running the search a cluster calls for; each call cuts the cluster to
-    its own constraints (GPU types, headroom, GPU count), so a relaxed one sees it whole."""
+    """Returns a function (constraints, top) -> (ranked plans, why none fits where none
+    does, extra JSON fields, baselines) running the search a cluster calls for; each call
+    cuts the cluster to its own constraints (GPU types, headroom, GPU count), so a relaxed
+    one sees it whole."""
     from hetplan.search.constraints import PlanConstraints, homogeneous_space
 
     whole = cl
@@ -213,14 +205,15 @@ def _plan_search(
                                      space=homogeneous_space(limits),
                                      flash_attention=flash, progress=progress)  # fmt: skip
             extra = {"candidates": res.candidates, "fitting": res.fitting}
-            return res.ranked, res.min_memory_bytes, extra, None
+            return res.ranked, no_fit_message(res.min_memory_bytes, cl), extra, None
         from hetplan.search.heterogeneous import search_heterogeneous
 
         hres = search_heterogeneous(spec, cl, batch, prec, top, params, flash, limits, progress)
         baselines = {
             k: (None if v is None else estimate_json(*v)) for k, v in hres.baselines.items()
         }
-        return hres.ranked, hres.min_memory_bytes, {"notes": hres.notes}, baselines
+        no_fit = no_fit_message(hres.min_memory_bytes, cl, hres.state_floor_bytes)
+        return hres.ranked, no_fit, {"notes": hres.notes}, baselines
 
     return run
 
@@ -308,3 +301,5 @@ def explain(
         if terms is not None:
             out.print(terms)
         print_warnings(info["warnings"])
+    if info["memory_shortfall"] is not None:  # explained, then refused: it cannot run
+        raise InputError("PLAN", f"does not fit in memory: {info['memory_shortfall']}")

@@ -15,6 +15,7 @@ from hetplan.commands.common import (
     out,
     print_json,
     print_warnings,
+    refuse_unfit,
     resolve_batch,
     resolve_precision,
     tf32_note,
@@ -203,19 +204,15 @@ def predict(
     if precision is not None:
         tf32_note(cl.gpu_types_used(), the_plan.precision, as_json)
     est = estimate(the_plan, spec, cl, params)
-    write_pictures(the_plan, spec, cl, params, trace, timeline)
+    if est.fits:  # pictures of a plan that cannot run are not written
+        write_pictures(the_plan, spec, cl, params, trace, timeline)
     if as_json:
         print_json(estimate_json(the_plan, est))
-        return
-    out.print(plans_table([(the_plan, est)], f"{spec.name}: predicted"))
-    print_warnings(est.warnings)
-    out.print(breakdown_table(est))
-    if not est.fits:
-        worst = max(est.distinct_stages, key=lambda s: s.memory.total - s.capacity_bytes)
-        out.print(
-            f"[bold red]does not fit[/]: {worst.devices[0]} needs "
-            f"{worst.memory.total / 1e9:.1f} GB of {worst.capacity_bytes / 1e9:.1f} GB"
-        )
+    else:
+        out.print(plans_table([(the_plan, est)], f"{spec.name}: predicted"))
+        print_warnings(est.warnings)
+        out.print(breakdown_table(est))
+    refuse_unfit(est, "--plan" if plan_path is not None else "plan")
 
 
 def _with_layout(plan: Plan, text: str, layers: int, virtual_stages: int | None) -> Plan:

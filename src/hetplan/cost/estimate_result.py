@@ -156,6 +156,19 @@ class Estimate:
         """Returns the largest per-device peak."""
         return max(s.memory.total for s in self.distinct_stages)
 
+    def memory_shortfall(self) -> str | None:
+        """Returns None if every device holds its peak; else what the stage furthest over
+        its memory needs, for a person: its first device, GPU type, place and layers, and
+        its peak against its memory."""
+        if self.fits:
+            return None
+        worst = max(self.distinct_stages, key=lambda s: s.memory.total - s.capacity_bytes)
+        return (
+            f"{worst.devices[0]} ({worst.gpu}, pipeline {worst.pipeline} stage {worst.stage}, "
+            f"{worst.layers} layers) needs {worst.memory.total / 1e9:.1f} GB of "
+            f"{worst.capacity_bytes / 1e9:.1f} GB"
+        )
+
     def to_json(self, expand: bool = False) -> dict[str, Any]:
         """Returns the JSON object the CLI prints: per distinct stage its replicas and peak
         memory; ``expand``: also the peak memory of every device."""

@@ -72,6 +72,14 @@ def replan_report(
     joined = load_cluster(joined_spec, "--joined") if joined_spec else None
     storage = storage_bandwidth_bytes_per_s(cluster_spec, storage_bw)
     res = replan(plan, model, cluster, lost, joined, params=params, search=search)
+    if not res.estimate.fits:  # a plan that cannot run is no answer: nothing is written
+        from hetplan.commands.common import no_fit_message
+
+        where = f"without {', '.join(lost)}" if lost else "with the joined nodes"
+        raise InputError(
+            "--lost" if lost else "--joined",
+            f"{where}, {no_fit_message(res.min_memory_bytes, res.cluster)}",
+        )
     rec = plan_recovery(problem_from_plans(plan, res.plan, model, cluster, res.cluster, storage))
     new_plan = replace(res.plan, model=model)  # the file states the model it was made for
     report = {

@@ -127,7 +127,9 @@ def run_elastic(
         # the plan's estimate, made while nothing waits on it: the cost model's first call in
         # a process reads its calibration and fills its caches (about 1 ms on the bench's
         # CPU plan), which a replan after a preemption would otherwise pay in its downtime
-        estimate(plan, model, cluster, default_params())
+        shortfall = estimate(plan, model, cluster, default_params()).memory_shortfall()
+        if shortfall is not None:  # as launch refuses it without --elastic
+            raise InputError("PLAN", f"does not fit in memory: {shortfall}")
         for attempt in range(max_recoveries + 1):
             order = preflight(cur).devices
             failed = launch_workers(cur, len(order))
@@ -156,6 +158,11 @@ def run_elastic(
                 raise RuntimeError(f"training failed: every node was lost ({', '.join(killed)})")
             t0, cpu0 = time.perf_counter(), time.process_time()
             res = replan(plan, model, alive, killed)
+            if not res.estimate.fits:
+                raise RuntimeError(
+                    f"training failed: without {', '.join(killed)}, no plan fits in the "
+                    f"remaining memory ({res.estimate.memory_shortfall()})"
+                )
             replan_cpu_s = time.process_time() - cpu0
             done.extend(attempt_steps)
             for node in killed:  # a preempted node's disk goes with it

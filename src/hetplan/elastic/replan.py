@@ -40,6 +40,9 @@ class ReplanResult:
     replan_time_s: float
     changes: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    min_memory_bytes: float = math.inf
+    """The least per-GPU peak of any plan weighed (the repair's, the search's): with a plan
+    that does not fit, what the remaining GPUs would need to hold."""
 
 
 def surviving_cluster(cluster: Cluster, lost: list[str], joined: Cluster | None) -> Cluster:
@@ -247,6 +250,7 @@ def replan(
     old_est = estimate(old, model, cluster, params)
     plan, est, notes = _repair(old, old_est, model, cluster, new, params)
     method = "repair"
+    least = est.max_memory_bytes
     if search or not est.fits:
         from hetplan.search.heterogeneous import search_heterogeneous
 
@@ -254,6 +258,7 @@ def replan(
             model, new, old.global_batch_size, old.precision, 1, params, old.flash_attention
         )
         notes += res.notes
+        least = min(least, res.min_memory_bytes)
         if res.ranked and (
             not est.fits or res.ranked[0][1].iteration_time_s < est.iteration_time_s
         ):
@@ -263,4 +268,4 @@ def replan(
         notes.append("no plan found fits in the remaining memory")
     changes = describe_changes(old, plan, lost)
     elapsed = time.perf_counter() - start
-    return ReplanResult(plan, est, old_est, new, method, elapsed, changes, notes)
+    return ReplanResult(plan, est, old_est, new, method, elapsed, changes, notes, least)

@@ -86,6 +86,7 @@ def explain(
     return {
         "iteration_time_s": est.iteration_time_s,
         "fits": est.fits,
+        "memory_shortfall": est.memory_shortfall(),
         "compute_source": est.compute_source,
         "peak_used": est.peak_used,
         "warnings": est.warnings,

@@ -22,7 +22,14 @@ def _require_uniform(plan: Plan, target: str) -> tuple[int, int, int]:
             "stages or batch shares (run it with `hetplan launch`)",
         )
     first = plan.pipelines[0]
-    return first.stages[0].tp, len(first.stages), plan.dp
+    tps = [s.tp for s in first.stages]
+    if len(set(tps)) > 1:  # one --tensor-model-parallel-size for the whole model
+        raise InputError(
+            "plan",
+            f"{target} runs one tensor-parallel degree on every stage; this plan's stages "
+            f"use TP {', '.join(map(str, tps))} (run it with `hetplan launch`)",
+        )
+    return tps[0], len(first.stages), plan.dp
 
 
 def megatron_args(plan: Plan, model: ModelSpec) -> list[str]:
@@ -77,7 +84,7 @@ def megatron_args(plan: Plan, model: ModelSpec) -> list[str]:
         ]
     elif plan.recompute == "selective":
         args.append("--recompute-granularity=selective")
-    if plan.sequence_parallel:
+    if plan.sequence_parallel and tp > 1:  # nothing to split the sequence over at TP 1
         args.append("--sequence-parallel")
     if plan.zero_stage == 1:
         args.append("--use-distributed-optimizer")
@@ -178,6 +185,6 @@ def deepspeed_launch_args(plan: Plan, config_path: str) -> list[str]:
         args += ["--checkpoint-activations", "--deepspeed-activation-checkpointing"]
     elif plan.recompute == "selective":
         args.append("--recompute-granularity=selective")
-    if plan.sequence_parallel:
+    if plan.sequence_parallel and tp > 1:  # nothing to split the sequence over at TP 1
         args.append("--sequence-parallel")
     return args

@@ -197,6 +197,9 @@ def launch(
     checked = preflight(cfg)
     console = Console(stderr=as_json)
     est = predicted(checked.plan, checked.model, checked.cluster, db)
+    shortfall = est.memory_shortfall()
+    if shortfall is not None:  # refused before any process starts, as predict refuses it
+        raise InputError("PLAN", f"does not fit in memory: {shortfall}")
     pred_step, source = est.iteration_time_s, est.compute_source
     notes = overlap_notes(checked.plan)
     for note in notes:

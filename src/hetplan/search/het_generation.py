@@ -195,8 +195,7 @@ class SearchState(CandidatePool):
         tables = self.class_tables(tps, knobs)
         groups = sum(t.groups for t in tables)
         templates = build_templates(tables, self.model.layers, groups, self.frontiers)
-        if not templates:
-            self.min_mem = min(self.min_mem, *(t.stage_bytes(1, 0, 1) for t in tables))
+        if not templates:  # no plan to weigh: one layer's stage is no plan's need
             return _Setting(tables, templates, None)
         return _Setting(tables, templates, variants(templates, knobs.virtual_stages))
 

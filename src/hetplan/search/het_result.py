@@ -19,6 +19,11 @@ class HeteroResult:
     search_time_s: float
     notes: list[str] = field(default_factory=list)
     min_memory_bytes: float = math.inf
+    """The least per-GPU peak of any plan weighed (inf: none was, no split of the layers
+    fitting any stage)."""
+    state_floor_bytes: float = 0.0
+    """What every plan needs per GPU on average for weights, gradients and optimizer state,
+    sharded over every GPU (so some GPU needs at least this)."""
     proven: bool = False
     """Whether the enumeration completed: the first plan is the best of the whole space."""
     evaluated: int = 0

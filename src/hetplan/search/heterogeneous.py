@@ -147,7 +147,7 @@ def search_with(
             f"optimizer state, but the usable GPUs hold {total_mem / 1e9:.1f} GB together"
         )
         elapsed = time.perf_counter() - start
-        return HeteroResult([], baselines, elapsed, notes, floor / cluster.num_gpus)
+        return HeteroResult([], baselines, elapsed, notes, math.inf, floor / cluster.num_gpus)
     state = SearchState(
         model, cluster, classes, global_batch, precision, params, flash_attention, top_k
     )
@@ -183,6 +183,7 @@ def search_with(
         search_time_s=time.perf_counter() - start,
         notes=notes,
         min_memory_bytes=state.min_mem,
+        state_floor_bytes=floor / cluster.num_gpus,
         proven=proven and bool(pool),
         evaluated=state.evaluated,
     )
