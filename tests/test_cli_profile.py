@@ -113,21 +113,23 @@ def test_not_a_database_is_refused(tmp_path):
 
 
 def test_launch_and_profile_check_their_db_as_predict_does(tmp_path):
-    """launch --db names an existing profile (a missing one was ignored in silence, a text
-    file a traceback); profile --db adds to a database or creates it, never a text file;
-    profile --reps is at least 1."""
+    """launch --profile (or its former name --db) names an existing profile (a missing one
+    was ignored in silence, a text file a traceback); profile --out (or --db) adds to a
+    database or creates it, never a text file; profile --reps is at least 1."""
     examples = Path(__file__).parent.parent / "examples"
     tiny = str(examples / "models" / "tiny-gpt" / "config.json")
     cpu2 = str(examples / "clusters" / "cpu2.yaml")
     bogus = tmp_path / "notes.txt"
     bogus.write_text("not sqlite")
     runs = [
-        (["launch", "p.json", "--model", tiny, "--cluster", cpu2, "--db", str(bogus)],
-         "--db", "not an SQLite profile database"),
+        (["launch", "p.json", "--model", tiny, "--cluster", cpu2, "--profile", str(bogus)],
+         "--profile", "not an SQLite profile database"),
         (["launch", "p.json", "--model", tiny, "--cluster", cpu2, "--db", "none.sqlite"],
-         "--db", "no such file"),
+         "--profile", "no such file"),
+        (["profile", "--device", "cpu", "--model", tiny, "--out", str(bogus)],
+         "--out", "not an SQLite profile database"),
         (["profile", "--device", "cpu", "--model", tiny, "--db", str(bogus)],
-         "--db", "not an SQLite profile database"),
+         "--out", "not an SQLite profile database"),
         (["profile", "--device", "cpu", "--model", tiny, "--reps", "0"], "--reps", "at least one"),
     ]  # fmt: skip
     for args, option, reason in runs:
@@ -328,3 +330,30 @@ def test_calibrate_fits_with_the_profile(tmp_path):
     missing = tmp_path / "missing.sqlite"
     res = run("calibrate", "--runs", str(runs), "--profile", str(missing))
     assert res.returncode == 2 and "--profile" in res.stderr and not missing.exists()
+
+
+def test_launch_predicts_with_the_profile_named_as_predict_does(tiny, tmp_path):
+    """launch's prediction beside the run reads the profile predict reads: --profile, else
+    $HETPLAN_PROFILE, else none (it once read ~/.cache/hetplan/profile.sqlite unasked)."""
+    from hetplan.cluster import parse_inline_cluster
+    from hetplan.runtime.cli import predicted
+    from hetplan.search.layout import uniform_plan
+
+    config, path = tiny
+    model, cluster = load_model(str(config)), parse_inline_cluster(CLUSTER)
+    plan = uniform_plan(cluster, model.layers, 1, 1, 1, 1, BATCH, precision="bf16")
+    overhead = default_params().gpu(GPU).microbatch_overhead_s
+    micro = 2 * (FWD + BWD) + EMBED.forward_s + EMBED.backward_s + HEAD.forward_s
+    micro += HEAD.backward_s + overhead
+    expected = BATCH * micro + 2 * OPT["layer"] + OPT["embed"] + OPT["head"]
+    est = predicted(plan, model, cluster, ProfileDB(path))
+    assert est.iteration_time_s == pytest.approx(expected, rel=1e-9)
+    assert predicted(plan, model, cluster, None).compute_source == "analytical"
+    # the environment names it for launch as for predict: a missing file is refused
+    missing = tmp_path / "gone.sqlite"
+    examples = Path(__file__).parent.parent / "examples"
+    res = run("launch", "p.json", "--model", str(examples / "models" / "tiny-gpt" / "config.json"),
+              "--cluster", str(examples / "clusters" / "cpu2.yaml"),
+              env={"HETPLAN_PROFILE": str(missing)})  # fmt: skip
+    assert res.returncode == 2 and res.stderr.startswith("error: --profile: no such file")
+    assert "HETPLAN_PROFILE" in res.stderr and not missing.exists()

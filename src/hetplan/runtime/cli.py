@@ -12,27 +12,24 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from hetplan.commands.options import PROFILE_ENV
 from hetplan.errors import InputError, shown
 from hetplan.outputs import json_text
 from hetplan.report.table import plan_label
 from hetplan.runtime.config import RunConfig
 
 
-def predicted_step_time_s(
-    plan: Any, model: Any, cluster: Any, db: Path | None
-) -> tuple[float, str]:
+def predicted_step_time_s(plan: Any, model: Any, cluster: Any, profile: Any) -> tuple[float, str]:
     """Returns the cost model's iteration time for the plan and which compute source it used."""
-    est = predicted(plan, model, cluster, db)
+    est = predicted(plan, model, cluster, profile)
     return est.iteration_time_s, est.compute_source
 
 
-def predicted(plan: Any, model: Any, cluster: Any, db: Path | None) -> Any:
-    """Returns ``estimate`` of the plan as this runtime runs it, with the profile in ``db``."""
+def predicted(plan: Any, model: Any, cluster: Any, profile: Any) -> Any:
+    """Returns ``estimate`` of the plan as this runtime runs it, with the measured
+    ``profile`` (a ProfileDB; None: analytical), as ``predict --profile`` would."""
     from hetplan.cost.estimate import estimate
-    from hetplan.measured.profile_db import ProfileDB, default_db_path
 
-    path = db or default_db_path()
-    profile = ProfileDB(path) if path.exists() else None
     # this runtime reduces gradients after the pipeline step, never under the backward,
     # and does not overlap TP collectives with matmuls
     ran = replace(plan, overlap_grad_reduce=False, overlap_tp_comm=False)
@@ -88,7 +85,16 @@ def launch(
     node_rank: Annotated[int | None, typer.Option(help="Run this node's ranks.")] = None,
     master_addr: Annotated[str | None, typer.Option(help="Rendezvous host (multi-node).")] = None,
     master_port: Annotated[int, typer.Option(help="Rendezvous port (multi-node).")] = 29500,
-    db: Annotated[Path | None, typer.Option(help="Profile database for the prediction.")] = None,
+    profile_path: Annotated[
+        Path | None,
+        typer.Option(
+            "--profile",
+            "--db",
+            help=f"Measured profile database (SQLite) for the prediction beside the run, as "
+            f"predict's; --db is its former name (default: ${PROFILE_ENV}, else none)",
+            show_default=False,
+        ),
+    ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
     elastic: Annotated[bool, typer.Option(help="Replan and recover on preemption.")] = False,
     local_dir: Annotated[Path | None, typer.Option(help="Node-local checkpoint disks.")] = None,
@@ -131,10 +137,9 @@ def launch(
 
     if seq_len is not None and seq_len <= 0:
         raise InputError("--seq-len", "must be positive")
-    if db is not None:  # a profile named must exist and be one (predict's --profile rule)
-        from hetplan.commands.common import open_profile
+    from hetplan.commands.common import open_profile
 
-        open_profile(db, "--db")
+    profile_db = open_profile(profile_path)  # predict's rule: a named one must exist and be one
     if seq_len is None:  # the sequence length the plan was made for, where its file says
         from hetplan.plan import load_plan
 
@@ -196,7 +201,7 @@ def launch(
         return
     checked = preflight(cfg)
     console = Console(stderr=as_json)
-    est = predicted(checked.plan, checked.model, checked.cluster, db)
+    est = predicted(checked.plan, checked.model, checked.cluster, profile_db)
     shortfall = est.memory_shortfall()
     if shortfall is not None:  # refused before any process starts, as predict refuses it
         raise InputError("PLAN", f"does not fit in memory: {shortfall}")
@@ -286,7 +291,17 @@ def profile(
             help="Comma-separated: fp32, tf32, bf16, fp16, each timed as the runtime runs it."
         ),
     ] = "fp32",
-    db: Annotated[Path | None, typer.Option(help="Profile database path.")] = None,
+    db: Annotated[
+        Path | None,
+        typer.Option(
+            "--out",
+            "-o",
+            "--db",
+            help="Profile database to add the rows to, created if missing, as profile "
+            "import's; --db is its former name (default: ~/.cache/hetplan/profile.sqlite)",
+            show_default=False,
+        ),
+    ] = None,
     links: Annotated[
         bool,
         typer.Option(
@@ -312,7 +327,7 @@ def profile(
     if db is not None and db.exists():  # added to: it must be a profile database
         from hetplan.commands.common import open_profile
 
-        open_profile(db, "--db")
+        open_profile(db, "--out")
     mbs, tps = _ints(micro_batch_sizes, "--micro-batch-sizes"), _ints(tp, "--tp")
     for t in tps:
         if spec.heads % t or spec.kv_heads % t or spec.ffn % t:
@@ -375,6 +390,8 @@ def profile(
         )
     console = Console()
     console.print(table)
+    console.print(f"plan, predict and launch use these times with --profile {store.path} "
+                  f"(or ${PROFILE_ENV})", highlight=False, soft_wrap=True)  # fmt: skip
     if figures:
         console.print(cluster_entry_hint(label, figures, rates), highlight=False)
 
