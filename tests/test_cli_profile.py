@@ -346,7 +346,7 @@ def test_launch_predicts_with_the_profile_named_as_predict_does(tiny, tmp_path):
     micro = 2 * (FWD + BWD) + EMBED.forward_s + EMBED.backward_s + HEAD.forward_s
     micro += HEAD.backward_s + overhead
     expected = BATCH * micro + 2 * OPT["layer"] + OPT["embed"] + OPT["head"]
-    est = predicted(plan, model, cluster, ProfileDB(path))
+    est = predicted(plan, model, cluster, default_params().with_profile(ProfileDB(path)))
     assert est.iteration_time_s == pytest.approx(expected, rel=1e-9)
     assert predicted(plan, model, cluster, None).compute_source == "analytical"
     # the environment names it for launch as for predict: a missing file is refused

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shlex
 from pathlib import Path
@@ -14,7 +15,7 @@ from hetplan.commands.options import ModelOpt, SeqOpt
 from hetplan.errors import InputError
 from hetplan.model import load_model
 from hetplan.outputs import write_text
-from hetplan.plan import check_plan_model, load_plan, model_for_plan
+from hetplan.plan import PRECISIONS, check_plan_model, load_plan, model_for_plan
 
 
 def register(app: typer.Typer) -> None:
@@ -27,6 +28,9 @@ def export(
     model: ModelOpt,
     fmt: Annotated[str, typer.Option("--format", help="megatron or deepspeed")] = "megatron",
     seq_len: SeqOpt = None,
+    precision: Annotated[
+        str | None, typer.Option("--precision", help="Override the plan's precision")
+    ] = None,
     out_path: Annotated[Path | None, typer.Option("--out", "-o", help="Write to a file")] = None,
 ) -> None:
     """Export a plan to Megatron-LM arguments or a DeepSpeed configuration.
@@ -38,6 +42,10 @@ def export(
     spec = load_model(model, seq_len)
     the_plan = load_plan(plan_path, option="PLAN")
     spec = model_for_plan(the_plan, spec, seq_len)
+    if precision is not None:  # no cluster here: the name alone is checked
+        if precision not in PRECISIONS:
+            raise InputError("--precision", f"'{precision}' is not fp32, tf32, bf16 or fp16")
+        the_plan = dataclasses.replace(the_plan, precision=precision)
     check_plan_model(the_plan, spec)  # no cluster here: what the model alone can check
     if fmt == "megatron":
         text = " \\\n  ".join(shlex.quote(a) for a in megatron_args(the_plan, spec)) + "\n"

@@ -53,6 +53,7 @@ def replan_report(
     profile: Path | None = None,
     seq_len: int | None = None,
     params_path: Path | None = None,
+    precision: str | None = None,
 ) -> tuple[dict[str, Any], Any]:
     """Returns the JSON report of a replan (new plan, times, changes, recovery) and the plan;
     compute times come from the measured ``profile`` (else $HETPLAN_PROFILE) first."""
@@ -68,8 +69,15 @@ def replan_report(
     params = load_cost(params_path, profile)
     plan = load_plan(plan_path)
     model = model_for_plan(plan, model, seq_len)
-    validate_plan(plan, model, cluster)
     joined = load_cluster(joined_spec, "--joined") if joined_spec else None
+    if precision is not None:  # every GPU the new plan may use must run it
+        from hetplan.commands.common import resolve_precision
+
+        for nodes in (cluster, joined):
+            if nodes is not None:
+                resolve_precision(nodes, precision)
+        plan = replace(plan, precision=precision)
+    validate_plan(plan, model, cluster)
     storage = storage_bandwidth_bytes_per_s(cluster_spec, storage_bw)
     res = replan(plan, model, cluster, lost, joined, params=params, search=search)
     if not res.estimate.fits:  # a plan that cannot run is no answer: nothing is written
@@ -128,12 +136,15 @@ def replan_cmd(
     params_path: Annotated[
         Path | None, typer.Option("--params", help="Cost-model parameters (hetplan calibrate).")
     ] = None,
+    precision: Annotated[
+        str | None, typer.Option("--precision", help="Override the plan's precision")
+    ] = None,
 ) -> None:
     """Replan on the nodes that remain after a preemption and plan the state's recovery."""
     names = _names(lost)
     report, new_plan = replan_report(
         plan, model, cluster, names, joined, storage_bandwidth, search, profile, seq_len,
-        params_path,
+        params_path, precision,
     )  # fmt: skip
     if out is not None:
         new_plan.save(out)

@@ -12,28 +12,29 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from hetplan.commands.options import PROFILE_ENV
+from hetplan.commands.options import PROFILE_ENV, SeqOpt
 from hetplan.errors import InputError, shown
 from hetplan.outputs import json_text
 from hetplan.report.table import plan_label
 from hetplan.runtime.config import RunConfig
 
 
-def predicted_step_time_s(plan: Any, model: Any, cluster: Any, profile: Any) -> tuple[float, str]:
+def predicted_step_time_s(plan: Any, model: Any, cluster: Any, params: Any) -> tuple[float, str]:
     """Returns the cost model's iteration time for the plan and which compute source it used."""
-    est = predicted(plan, model, cluster, profile)
+    est = predicted(plan, model, cluster, params)
     return est.iteration_time_s, est.compute_source
 
 
-def predicted(plan: Any, model: Any, cluster: Any, profile: Any) -> Any:
-    """Returns ``estimate`` of the plan as this runtime runs it, with the measured
-    ``profile`` (a ProfileDB; None: analytical), as ``predict --profile`` would."""
+def predicted(plan: Any, model: Any, cluster: Any, params: Any = None) -> Any:
+    """Returns ``estimate`` of the plan as this runtime runs it, with the cost-model
+    ``params`` (``commands.common.load_cost``: a measured profile's times first; None: the
+    shipped fit, analytical), as ``predict`` with the same ``--params`` and ``--profile``."""
     from hetplan.cost.estimate import estimate
 
     # this runtime reduces gradients after the pipeline step, never under the backward,
     # and does not overlap TP collectives with matmuls
     ran = replace(plan, overlap_grad_reduce=False, overlap_tp_comm=False)
-    return estimate(ran, model, cluster, profile=profile)
+    return estimate(ran, model, cluster, params)
 
 
 def overlap_notes(plan: Any) -> list[str]:
@@ -95,6 +96,10 @@ def launch(
             show_default=False,
         ),
     ] = None,
+    params_path: Annotated[
+        Path | None,
+        typer.Option("--params", help="Cost-model parameters (hetplan calibrate)."),
+    ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
     elastic: Annotated[bool, typer.Option(help="Replan and recover on preemption.")] = False,
     local_dir: Annotated[Path | None, typer.Option(help="Node-local checkpoint disks.")] = None,
@@ -137,9 +142,10 @@ def launch(
 
     if seq_len is not None and seq_len <= 0:
         raise InputError("--seq-len", "must be positive")
-    from hetplan.commands.common import open_profile
+    from hetplan.commands.common import load_cost
 
-    profile_db = open_profile(profile_path)  # predict's rule: a named one must exist and be one
+    # read before anything starts, as predict reads them: a profile named must be one
+    params = load_cost(params_path, profile_path)
     if seq_len is None:  # the sequence length the plan was made for, where its file says
         from hetplan.plan import load_plan
 
@@ -201,7 +207,7 @@ def launch(
         return
     checked = preflight(cfg)
     console = Console(stderr=as_json)
-    est = predicted(checked.plan, checked.model, checked.cluster, profile_db)
+    est = predicted(checked.plan, checked.model, checked.cluster, params)
     shortfall = est.memory_shortfall()
     if shortfall is not None:  # refused before any process starts, as predict refuses it
         raise InputError("PLAN", f"does not fit in memory: {shortfall}")
@@ -311,6 +317,7 @@ def profile(
         ),
     ] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+    seq_len: SeqOpt = None,
 ) -> None:
     """Time each layer's forward and backward on this device into the profile database
     (without a subcommand); ``import`` and ``show`` handle measured profiles."""
@@ -321,7 +328,7 @@ def profile(
     from hetplan.measured.profile_db import ProfileDB
     from hetplan.model import load_model
 
-    spec = load_model(model)
+    spec = load_model(model, seq_len)
     if reps < 1:
         raise InputError("--reps", f"{reps}: at least one timed repetition")
     if db is not None and db.exists():  # added to: it must be a profile database

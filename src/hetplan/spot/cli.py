@@ -10,6 +10,7 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
+from hetplan.commands.options import ProfileOpt
 from hetplan.errors import InputError, shown
 from hetplan.outputs import write_text
 
@@ -88,6 +89,7 @@ def simulate(
     params_path: Annotated[
         Path | None, typer.Option("--params", help="Cost-model parameters (hetplan calibrate)")
     ] = None,
+    profile_path: ProfileOpt = None,
 ) -> None:
     """Replay an availability trace under four policies, side by side.
 
@@ -137,8 +139,8 @@ def simulate(
         raise InputError("--trace", "its first change point has no GPUs available")
     prec = resolve_precision(pool.cluster(first), precision)
     planner = Planner(
-        spec, pool, prec, resolve_batch(spec, global_batch_size), load_cost(params_path, None),
-        storage, replan_search=search,
+        spec, pool, prec, resolve_batch(spec, global_batch_size),
+        load_cost(params_path, profile_path), storage, replan_search=search,
     )  # fmt: skip
     settings = Settings(
         restart_s=parse_duration_s(restart_time, "--restart-time"),
