@@ -55,6 +55,7 @@ def test_missing_files_and_bad_lengths_are_refused_before_any_work(tmp_path: Pat
           "--model", "gpt3-1.3b", "--cluster", "A100-80GB:2x8", "--profile", gone],
          "--profile"),
         (["profile", "--device", "cpu", "--model", TINY, "--seq-len", "0"], "--seq-len"),
+        (["launch", "--plan", gone, "--model", TINY, "--cluster", CPU2], "--plan"),
     ]  # fmt: skip
     for args, option in cases:
         res = run(*args)
@@ -62,3 +63,23 @@ def test_missing_files_and_bad_lengths_are_refused_before_any_work(tmp_path: Pat
         line = res.stderr.strip()
         assert "\n" not in line and line.startswith(f"error: {option}:"), line
     assert not Path(gone).exists()
+
+
+def test_a_plan_file_is_named_alike_in_every_command_that_reads_one(tmp_path: Path) -> None:
+    plan = _plan(tmp_path)
+    base = ["--model", "gpt3-1.3b"]
+    cluster = ["--cluster", "V100-32GB:2x8"]
+    for cmd, extra in (("predict", cluster), ("explain", cluster), ("export", []),
+                       ("replan", [*cluster, "--lost", "v100-32gb-1"])):  # fmt: skip
+        as_arg = run(cmd, str(plan), *base, *extra)
+        as_opt = run(cmd, "--plan", str(plan), *base, *extra)
+        assert as_arg.returncode == as_opt.returncode == 0, (cmd, as_arg.stderr, as_opt.stderr)
+        if cmd != "replan":  # replan reports its own time
+            assert as_arg.stdout == as_opt.stdout
+        both = run(cmd, str(plan), "--plan", str(tmp_path / "other.json"), *base, *extra)
+        assert both.returncode == 2 and both.stderr.startswith("error: --plan: two plan files")
+    none = run("explain", *base, *cluster)
+    assert none.returncode == 2
+    assert (
+        none.stderr.strip() == "error: PLAN: missing: the plan file, as the argument PLAN or --plan"
+    )

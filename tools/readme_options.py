@@ -50,7 +50,9 @@ def option_names(cmd: Any) -> set[str]:
 
 def _cells(param: Any) -> tuple[str, str, str]:
     if param.param_type_name == "argument":
-        return f"`{param.name.upper().removesuffix('_PATH')}`", "", "required"
+        name = param.metavar or param.name.upper().removesuffix("_PATH")
+        help_text = " ".join((getattr(param, "help", None) or "").split()).rstrip(".")
+        return f"`{name}`", help_text, "required" if param.required else "-"
     names = ", ".join(f"`{o}`" for o in (*param.opts, *param.secondary_opts))
     text = " ".join((param.help or "").split()).rstrip(".")
     match = DEFAULT.search(text)
@@ -72,8 +74,9 @@ def table(cmd: Any) -> str:
     rows = ["| option | meaning | default |", "| --- | --- | --- |"]
     for param in visible_params(cmd):
         if param.param_type_name == "argument":
-            name, _, default = _cells(param)
-            rows.append(f"| {name} | (argument) | {default} |")
+            name, help_text, default = _cells(param)
+            meaning = f"(argument) {help_text}".rstrip()
+            rows.append(f"| {name} | {meaning} | {default} |")
         else:
             rows.append("| {} | {} | {} |".format(*_cells(param)))
     return "\n".join(rows)

@@ -11,7 +11,7 @@ from typing import Annotated
 import typer
 
 from hetplan.commands.common import err, out
-from hetplan.commands.options import ModelOpt, SeqOpt
+from hetplan.commands.options import ModelOpt, PlanArg, PlanOpt, SeqOpt, plan_file
 from hetplan.errors import InputError
 from hetplan.model import load_model
 from hetplan.outputs import write_text
@@ -24,8 +24,10 @@ def register(app: typer.Typer) -> None:
 
 
 def export(
-    plan_path: Annotated[Path, typer.Argument(help="Plan JSON file")],
+    plan_arg: PlanArg = None,
+    *,
     model: ModelOpt,
+    plan_opt: PlanOpt = None,
     fmt: Annotated[str, typer.Option("--format", help="megatron or deepspeed")] = "megatron",
     seq_len: SeqOpt = None,
     precision: Annotated[
@@ -39,8 +41,10 @@ def export(
     DeepSpeed takes from its launcher are printed on stderr as Megatron-DeepSpeed arguments."""
     from hetplan.report.export import deepspeed_config, deepspeed_launch_args, megatron_args
 
+    plan_path, named = plan_file(plan_arg, plan_opt)
+    assert plan_path is not None
     spec = load_model(model, seq_len)
-    the_plan = load_plan(plan_path, option="PLAN")
+    the_plan = load_plan(plan_path, option=named)
     spec = model_for_plan(the_plan, spec, seq_len)
     if precision is not None:  # no cluster here: the name alone is checked
         if precision not in PRECISIONS:

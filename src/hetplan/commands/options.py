@@ -12,6 +12,27 @@ import typer
 PROFILE_ENV = "HETPLAN_PROFILE"
 
 ModelOpt = Annotated[str, typer.Option("--model", "-m", help="Catalog name or config.json")]
+PlanArg = Annotated[
+    Path | None,
+    typer.Argument(help="Plan JSON file (or --plan)", metavar="PLAN", show_default=False),
+]
+PlanOpt = Annotated[
+    Path | None, typer.Option("--plan", help="Plan JSON file (or as the argument PLAN)")
+]
+
+
+def plan_file(arg: Path | None, opt: Path | None, required: bool = True) -> tuple[Path | None, str]:
+    """Returns the plan file a command was given, as its argument PLAN or as --plan (every
+    command that reads one takes both), and the name its messages use."""
+    from hetplan.errors import InputError
+
+    if arg is not None and opt is not None and arg != opt:
+        raise InputError("--plan", f"two plan files given ({arg} and {opt}): give one")
+    if arg is None and opt is None and required:
+        raise InputError("PLAN", "missing: the plan file, as the argument PLAN or --plan")
+    return (arg, "PLAN") if arg is not None else (opt, "--plan")
+
+
 ClusterOpt = Annotated[
     str, typer.Option("--cluster", "-c", help="Cluster YAML, or inline 'A100-80GB:4x8,T4:1x4'")
 ]

@@ -35,6 +35,8 @@ from hetplan.commands.options import (
     ModelOpt,
     OverlapTpOpt,
     ParamsOpt,
+    PlanArg,
+    PlanOpt,
     PpLimit,
     PrecOpt,
     ProfileOpt,
@@ -47,6 +49,7 @@ from hetplan.commands.options import (
     TraceOpt,
     VsLimit,
     ZeroLimit,
+    plan_file,
 )
 from hetplan.commands.predict import predict
 from hetplan.cost.estimate_result import Estimate
@@ -262,9 +265,11 @@ def _print_explain(plan_: Plan, spec: ModelSpec, cl: Cluster, params: CostParams
 
 
 def explain(
-    plan_path: Annotated[Path, typer.Argument(help="Plan JSON file")],
+    plan_arg: PlanArg = None,
+    *,
     model: ModelOpt,
     cluster: ClusterOpt,
+    plan_opt: PlanOpt = None,
     seq_len: SeqOpt = None,
     precision: Annotated[
         str | None, typer.Option("--precision", help="Override the plan's precision")
@@ -285,9 +290,11 @@ def explain(
     from hetplan.report.explain import explain as explain_plan
     from hetplan.report.explain import explain_table, fitted_terms_table
 
+    plan_path, named = plan_file(plan_arg, plan_opt)
+    assert plan_path is not None
     spec = load_model(model, seq_len)
     cl = load_cluster(cluster)
-    the_plan = load_plan(plan_path, cl, option="PLAN")
+    the_plan = load_plan(plan_path, cl, option=named)
     spec = model_for_plan(the_plan, spec, seq_len)
     if precision is not None:
         the_plan = dataclasses.replace(the_plan, precision=resolve_precision(cl, precision))
@@ -302,4 +309,4 @@ def explain(
             out.print(terms)
         print_warnings(info["warnings"])
     if info["memory_shortfall"] is not None:  # explained, then refused: it cannot run
-        raise InputError("PLAN", f"does not fit in memory: {info['memory_shortfall']}")
+        raise InputError(named, f"does not fit in memory: {info['memory_shortfall']}")

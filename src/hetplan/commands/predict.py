@@ -4,7 +4,6 @@ from --tp/--pp/--dp (optionally with an uneven --layout)."""
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 from typing import Annotated, Any
 
 import typer
@@ -28,11 +27,14 @@ from hetplan.commands.options import (
     JsonOpt,
     ModelOpt,
     ParamsOpt,
+    PlanArg,
+    PlanOpt,
     PrecOpt,
     ProfileOpt,
     SeqOpt,
     TimelineOpt,
     TraceOpt,
+    plan_file,
 )
 from hetplan.cost.estimate import estimate
 from hetplan.errors import InputError
@@ -44,9 +46,11 @@ from hetplan.report.table import breakdown_table, estimate_json, plans_table
 
 
 def predict(
+    plan_arg: PlanArg = None,
+    *,
     model: ModelOpt,
     cluster: ClusterOpt,
-    plan_path: Annotated[Path | None, typer.Option("--plan", help="Plan JSON file")] = None,
+    plan_opt: PlanOpt = None,
     tp: Annotated[
         int | None, typer.Option("--tp", help="Tensor-parallel degree (without --plan)")
     ] = None,
@@ -115,6 +119,7 @@ def predict(
     and the --sequence-parallel, --flash-attention, --overlap-tp-comm, --overlap-grad-reduce
     switches (and their --no- forms); --tp, --pp, --dp and --global-batch-size are the file's
     devices and batch shares, refused beside it."""
+    plan_path, named = plan_file(plan_arg, plan_opt, required=False)
     require_matplotlib("--timeline", timeline)
     check_output(trace, "--trace")
     spec = load_model(model, seq_len)
@@ -142,7 +147,7 @@ def predict(
             if value is not None:
                 raise InputError(name, "the plan file (--plan) fixes it: give the degrees "
                                  "without --plan, or edit the file")  # fmt: skip
-        the_plan = load_plan(plan_path, cl)
+        the_plan = load_plan(plan_path, cl, option=named)
         spec = model_for_plan(the_plan, spec, seq_len)
         if micro_batch_size is not None:
             for i, pipe in enumerate(the_plan.pipelines):
@@ -212,7 +217,7 @@ def predict(
         out.print(plans_table([(the_plan, est)], f"{spec.name}: predicted"))
         print_warnings(est.warnings)
         out.print(breakdown_table(est))
-    refuse_unfit(est, "--plan" if plan_path is not None else "plan")
+    refuse_unfit(est, named if plan_path is not None else "plan")
 
 
 def _with_layout(plan: Plan, text: str, layers: int, virtual_stages: int | None) -> Plan:

@@ -12,6 +12,7 @@ import yaml
 from rich.console import Console
 from rich.table import Table
 
+from hetplan.commands.options import PlanArg, PlanOpt, plan_file
 from hetplan.errors import InputError
 from hetplan.outputs import json_text
 from hetplan.units import parse_bandwidth_bytes_per_s
@@ -106,7 +107,9 @@ def replan_report(
 
 
 def replan_cmd(
-    plan: Annotated[Path, typer.Option("--plan", help="The plan that was running (JSON).")],
+    plan_arg: PlanArg = None,
+    *,
+    plan_opt: PlanOpt = None,
     model: Annotated[str, typer.Option("--model", "-m", help="Catalog name or config.json.")],
     cluster: Annotated[str, typer.Option("--cluster", "-c", help="Cluster file or inline spec.")],
     lost: Annotated[str, typer.Option("--lost", help="Lost nodes: NODE[,NODE...].")],
@@ -142,6 +145,8 @@ def replan_cmd(
 ) -> None:
     """Replan on the nodes that remain after a preemption and plan the state's recovery."""
     names = _names(lost)
+    plan, _ = plan_file(plan_arg, plan_opt)
+    assert plan is not None
     report, new_plan = replan_report(
         plan, model, cluster, names, joined, storage_bandwidth, search, profile, seq_len,
         params_path, precision,

@@ -12,7 +12,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from hetplan.commands.options import PROFILE_ENV, SeqOpt
+from hetplan.commands.options import PROFILE_ENV, PlanArg, PlanOpt, SeqOpt, plan_file
 from hetplan.errors import InputError, shown
 from hetplan.outputs import json_text
 from hetplan.report.table import plan_label
@@ -55,9 +55,11 @@ def overlap_notes(plan: Any) -> list[str]:
 
 
 def launch(
-    plan: Annotated[Path, typer.Argument(help="Plan file (JSON).")],
+    plan_arg: PlanArg = None,
+    *,
     model: Annotated[str, typer.Option("--model", help="Catalog name or config.json.")],
     cluster: Annotated[str, typer.Option("--cluster", help="Cluster file or inline spec.")],
+    plan_opt: PlanOpt = None,
     steps: Annotated[int, typer.Option(help="Train until this step.")] = 10,
     data: Annotated[
         Path | None,
@@ -146,10 +148,12 @@ def launch(
 
     # read before anything starts, as predict reads them: a profile named must be one
     params = load_cost(params_path, profile_path)
+    plan, named = plan_file(plan_arg, plan_opt)
+    assert plan is not None
     if seq_len is None:  # the sequence length the plan was made for, where its file says
         from hetplan.plan import load_plan
 
-        made_for = load_plan(plan, option="PLAN").model
+        made_for = load_plan(plan, option=named).model
         seq_len = None if made_for is None else made_for.seq
     tmp_plan = tempfile.TemporaryDirectory(prefix="hetplan-plan-")
     plan = _override_plan(
@@ -210,7 +214,7 @@ def launch(
     est = predicted(checked.plan, checked.model, checked.cluster, params)
     shortfall = est.memory_shortfall()
     if shortfall is not None:  # refused before any process starts, as predict refuses it
-        raise InputError("PLAN", f"does not fit in memory: {shortfall}")
+        raise InputError(named, f"does not fit in memory: {shortfall}")
     pred_step, source = est.iteration_time_s, est.compute_source
     notes = overlap_notes(checked.plan)
     for note in notes:
