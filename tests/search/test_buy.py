@@ -3,6 +3,7 @@
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -59,3 +60,14 @@ def test_compare_buy_cli(tmp_path):
     bad = [*cmd[:-3], "--runs-per-year", "0"]
     res = subprocess.run(bad, capture_output=True, text=True, timeout=300)
     assert res.returncode == 2 and "--runs-per-year" in res.stderr
+
+
+def test_compare_buy_with_nothing_to_compare_prints_no_empty_table():
+    small = Path(__file__).parents[2] / "examples" / "markets" / "small.yaml"
+    cmd = [sys.executable, "-m", "hetplan", "provision", "-m", "gpt2", "--tokens", "1e9",
+           "-b", "16", "--market", str(small), "--compare-buy"]  # fmt: skip
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    lines = res.stdout.strip().splitlines()
+    assert lines[0] == "gpt2, buy or rent: no GPU type of the market can be compared"
+    assert lines[1].startswith("left out (no shipped purchase_usd_per_gpu") and len(lines) == 2

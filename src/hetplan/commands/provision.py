@@ -376,7 +376,11 @@ def _compare_buy(
             f"{r.utilisation:.1%}",
             r.verdict,
         )
-    out.print(table)
+    if rows:
+        out.print(table)
+    else:  # an empty table says nothing the lines below do not
+        out.print(f"{spec.name}, buy or rent: no GPU type of the market can be compared",
+                  highlight=False)  # fmt: skip
     by_reason: dict[str, list[str]] = {}
     for gpu, reason in notes:
         by_reason.setdefault(reason, []).append(gpu)
