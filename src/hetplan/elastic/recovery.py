@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, linprog, milp
+from scipy.sparse import coo_matrix
 
 from hetplan.cluster import Cluster
 from hetplan.elastic.placement import node_shards, shard_bytes
@@ -190,8 +191,9 @@ def baseline_s(problem: RecoveryProblem) -> float:
 
 def _matrices(
     problem: RecoveryProblem, pairs: list[tuple[str, str]]
-) -> tuple[list[tuple[int, str]], np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Returns (variable index -> (pair, source)), A_eq, A_ub, b_ub and the objective."""
+) -> tuple[list[tuple[int, str]], Any, Any, np.ndarray, np.ndarray]:
+    """Returns (variable index -> (pair, source)), A_eq, A_ub (sparse: a variable touches one
+    pair and at most three resources), b_ub and the objective."""
     cols: list[tuple[int, str]] = []
     for i, (node, shard) in enumerate(pairs):
         srcs = problem.sources(node, shard)
@@ -207,25 +209,35 @@ def _matrices(
     )
     row = {r: k for k, r in enumerate(resources)}
     b_ub = np.array([-hashing.get(r, 0.0) for r in resources])  # constant load: T >= it
-    a_eq = np.zeros((len(pairs), n))
-    a_ub = np.zeros((len(resources), n))
+    rows, vals = [], []  # A_ub's entries by column: the pair's inbound, then its source
+    weight = np.zeros(n)  # each column's sum, for the tie-break
     for j, (i, src) in enumerate(cols):
         node, shard = pairs[i]
         b = problem.shard_bytes[shard]
-        a_eq[i, j] = 1.0
-        a_ub[row[f"in:{node}"], j] += b / problem.nic_bytes_per_s[node]
-        if src == STORAGE:
-            a_ub[row[STORAGE], j] += b / problem.storage_bytes_per_s
-        else:
-            a_ub[row[f"out:{src}"], j] += b / problem.nic_bytes_per_s[src]
-    a_ub[:, -1] = -1.0
+        inbound = b / problem.nic_bytes_per_s[node]
+        outbound = (b / problem.storage_bytes_per_s if src == STORAGE
+                    else b / problem.nic_bytes_per_s[src])  # fmt: skip
+        rows += [row[f"in:{node}"], row[STORAGE if src == STORAGE else f"out:{src}"]]
+        vals += [inbound, outbound]
+        weight[j] = inbound + outbound
+    m = len(resources)
+    a_ub = coo_matrix(
+        (
+            np.r_[vals, -np.ones(m)],
+            (np.r_[rows, np.arange(m)], np.r_[np.repeat(np.arange(n - 1), 2), np.full(m, n - 1)]),
+        ),
+        shape=(m, n),
+    ).tocsr()  # duplicates (a node's own inbound and outbound never share a row) are summed
+    a_eq = coo_matrix(
+        (np.ones(n - 1), ([i for i, _ in cols], np.arange(n - 1))), shape=(len(pairs), n)
+    ).tocsr()
     c = np.zeros(n)
     c[-1] = 1.0
     # a tie-break far below any real difference: among equal makespans, prefer fewer storage
     # bytes, then less traffic on the busiest peers
-    scale = 1e-7 / max(1.0, float(a_ub[:, :-1].sum()))
+    scale = 1e-7 / max(1.0, float(weight.sum()))
     for j, (_, src) in enumerate(cols):
-        c[j] = scale * (2.0 if src == STORAGE else 1.0) * a_ub[:, j].sum()
+        c[j] = scale * (2.0 if src == STORAGE else 1.0) * weight[j]
     return cols, a_eq, a_ub, b_ub, c
 
 
