@@ -21,7 +21,7 @@ from typing import Any
 
 from hetplan.cluster import Cluster
 from hetplan.cost.estimate import estimate
-from hetplan.cost.params import default_params
+from hetplan.cost.params import CostParams, default_params
 from hetplan.elastic.placement import node_of, node_shards, shard_bytes
 from hetplan.elastic.recovery import RecoveryProblem, plan_recovery
 from hetplan.elastic.replan import replan
@@ -108,9 +108,12 @@ def run_elastic(
     storage_bytes_per_s: float,
     max_recoveries: int = 3,
     emulate_bandwidth: bool = True,
+    params: CostParams | None = None,
 ) -> dict[str, Any]:
     """Trains ``cfg`` elastically until ``cfg.steps``; returns the last attempt's record with
-    every recovery (lost nodes, step, bytes by source, predicted and measured times)."""
+    every recovery (lost nodes, step, bytes by source, predicted and measured times).
+    ``params``: the cost model's terms (with a measured profile: ``load_cost``) that check
+    the plan fits and score every replan (None: the shipped fit)."""
     if not cfg.local_dir or not cfg.storage:
         raise InputError("--elastic", "needs --local-dir and --storage")
     local_root = Path(cfg.local_dir)
@@ -127,7 +130,8 @@ def run_elastic(
         # the plan's estimate, made while nothing waits on it: the cost model's first call in
         # a process reads its calibration and fills its caches (about 1 ms on the bench's
         # CPU plan), which a replan after a preemption would otherwise pay in its downtime
-        shortfall = estimate(plan, model, cluster, default_params()).memory_shortfall()
+        params = params or default_params()  # launch's --params and --profile, else shipped
+        shortfall = estimate(plan, model, cluster, params).memory_shortfall()
         if shortfall is not None:  # as launch refuses it without --elastic
             raise InputError("PLAN", f"does not fit in memory: {shortfall}")
         for attempt in range(max_recoveries + 1):
@@ -157,7 +161,7 @@ def run_elastic(
             if set(killed) >= {n.name for n in alive.nodes}:
                 raise RuntimeError(f"training failed: every node was lost ({', '.join(killed)})")
             t0, cpu0 = time.perf_counter(), time.process_time()
-            res = replan(plan, model, alive, killed)
+            res = replan(plan, model, alive, killed, params=params)
             if not res.estimate.fits:
                 raise RuntimeError(
                     f"training failed: without {', '.join(killed)}, no plan fits in the "

@@ -200,7 +200,7 @@ def launch(
             raise InputError("--elastic", "needs --local-dir, --storage and --checkpoint-every")
         cfg = replace(cfg, progress=False)
         try:
-            rec = run_elastic(cfg, storage_bandwidth_bytes_per_s(cluster, None))
+            rec = run_elastic(cfg, storage_bandwidth_bytes_per_s(cluster, None), params=params)
         except RuntimeError as exc:
             raise typer.Exit(_fail(str(exc))) from None
         typer.echo(
