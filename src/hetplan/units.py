@@ -48,6 +48,23 @@ def parse_bandwidth_bytes_per_s(value: object, field: str) -> float:
 _DURATION_S = {"s": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0, "d": 86400.0, "w": 604800.0}
 
 
+def duration_unit(longest_s: float) -> tuple[str, float]:
+    """Returns the unit times up to ``longest_s`` read best in (days from two days, hours
+    from two hours, else minutes) and its length in seconds."""
+    if longest_s >= 2 * 86400:
+        return "days", 86400.0
+    if longest_s >= 2 * 3600:
+        return "hours", 3600.0
+    return "minutes", 60.0
+
+
+def duration_text(*seconds: float, sep: str = " to ") -> str:
+    """Returns durations for a person, in the unit of the longest: '3.50 days', '45.00
+    minutes', '1.20 to 0.80 hours' (several joined by ``sep``)."""
+    unit, length = duration_unit(max(seconds))
+    return sep.join(f"{s / length:,.2f}" for s in seconds) + f" {unit}"
+
+
 def parse_duration_s(value: object, field: str) -> float:
     """Returns seconds for '30d', '12h', '90m', '45s' or a bare number of seconds."""
     if isinstance(value, int | float) and not isinstance(value, bool):

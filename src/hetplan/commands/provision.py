@@ -36,6 +36,7 @@ from hetplan.errors import InputError
 from hetplan.model import ModelSpec, load_model
 from hetplan.plan import PRECISIONS
 from hetplan.report import require_matplotlib
+from hetplan.units import duration_text
 
 
 def register(app: typer.Typer) -> None:
@@ -310,7 +311,7 @@ def _unexplored_note(res: Any) -> str:
     cheap = min(u.cost_bound_usd for u in left)
     return (
         f"{len(left)} mixes unexplored at the time limit, which could at best train in "
-        f"{fast / 86400:.2f} days or for ${cheap:,.0f} (listed below)"
+        f"{duration_text(fast)} or for ${cheap:,.0f} (listed below)"
     )
 
 
@@ -326,8 +327,8 @@ def _unexplored_lines(left: list[Any]) -> list[str]:
             f"{min(u.gpus[n] for u in us)}-{max(u.gpus[n] for u in us)} x {n}" for n in names
         )
         lines.append(
-            f"{ranges}: {len(us)} mixes, at best {min(u.time_bound_s for u in us) / 86400:.2f} "
-            f"days or ${min(u.cost_bound_usd for u in us):,.0f}"
+            f"{ranges}: {len(us)} mixes, at best {duration_text(min(u.time_bound_s for u in us))}"
+            f" or ${min(u.cost_bound_usd for u in us):,.0f}"
         )
     return lines
 

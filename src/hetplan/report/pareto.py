@@ -11,6 +11,7 @@ from hetplan.cluster import Cluster
 from hetplan.plan import Plan
 from hetplan.search.provision import Constraints, ProvisionResult
 from hetplan.search.provision_points import Point, gpus_label
+from hetplan.units import duration_unit
 
 
 def point_json(p: Point) -> dict[str, Any]:
@@ -117,7 +118,8 @@ def front_table(res: ProvisionResult, title: str, constraints: Constraints | Non
     """Returns the front as a table, the recommended point marked with *, points that miss
     a deadline, budget or hourly cap marked with what they miss."""
     table = Table(title=title, header_style="bold")
-    cols = ["", "GPUs", "days", "total $", "$/hour", "MFU", "plan"]
+    unit, length = duration_unit(max((p.time_to_train_s for p in res.front), default=0.0))
+    cols = ["", "GPUs", unit, "total $", "$/hour", "MFU", "plan"]
     if constraints is not None and constraints != Constraints():
         cols.append("misses")
     for col in cols:
@@ -129,7 +131,7 @@ def front_table(res: ProvisionResult, title: str, constraints: Constraints | Non
         table.add_row(
             mark,
             _gpus(p),
-            f"{p.time_to_train_s / 86400:,.2f}",
+            f"{p.time_to_train_s / length:,.2f}",
             f"{p.total_cost_usd:,.0f}",
             f"{p.usd_per_hour:,.2f}",
             "" if p.estimate is None else f"{p.estimate.mfu:.1%}",
@@ -148,15 +150,16 @@ def write_pareto_plot(path: Path, res: ProvisionResult, constraints: Constraints
 
     from hetplan.report import save_figure
 
+    unit, length = duration_unit(max((p.time_to_train_s for p in res.points), default=0.0))
     fig, ax = plt.subplots(figsize=(8, 5.5))
     ax.scatter(
-        [p.time_to_train_s / 86400 for p in res.points],
+        [p.time_to_train_s / length for p in res.points],
         [p.total_cost_usd for p in res.points],
         s=6,
         c="lightgray",
         label="planned",
     )
-    xs = [p.time_to_train_s / 86400 for p in res.front]
+    xs = [p.time_to_train_s / length for p in res.front]
     ys = [p.total_cost_usd for p in res.front]
     ax.plot(xs, ys, "o-", color="tab:blue", label="Pareto front")
     # label the ends of the front and a few points between, not every point
@@ -166,7 +169,7 @@ def write_pareto_plot(path: Path, res: ProvisionResult, constraints: Constraints
         if i in labelled:
             ax.annotate(
                 _gpus(p),
-                (p.time_to_train_s / 86400, p.total_cost_usd),
+                (p.time_to_train_s / length, p.total_cost_usd),
                 fontsize=7,
                 xytext=(4, 4),
                 textcoords="offset points",
@@ -174,7 +177,7 @@ def write_pareto_plot(path: Path, res: ProvisionResult, constraints: Constraints
     if res.recommended is not None:
         r = res.recommended
         ax.plot(
-            [r.time_to_train_s / 86400],
+            [r.time_to_train_s / length],
             [r.total_cost_usd],
             "*",
             color="tab:red",
@@ -182,11 +185,11 @@ def write_pareto_plot(path: Path, res: ProvisionResult, constraints: Constraints
             label="recommended",
         )
     if constraints.deadline_s is not None:
-        ax.axvline(constraints.deadline_s / 86400, color="tab:orange", ls="--", label="deadline")
+        ax.axvline(constraints.deadline_s / length, color="tab:orange", ls="--", label="deadline")
     if constraints.budget_usd is not None:
         ax.axhline(constraints.budget_usd, color="tab:green", ls="--", label="budget")
     ax.set_xscale("log")
-    ax.set_xlabel("time to train (days)")
+    ax.set_xlabel(f"time to train ({unit})")
     ax.set_ylabel("total cost (USD)")
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)

@@ -62,6 +62,7 @@ from hetplan.search.spot import (
     offer_load,
     slowdowns,
 )
+from hetplan.units import duration_text
 
 PROVISION_SPACE = SearchSpace(zero_stages=(0, 1, 2, 3), max_virtual_stages=4, zero0_has_twin=True)
 """ZeRO-0 is dominated by ZeRO-1 (same traffic, less memory, a sharded optimizer step)
@@ -287,7 +288,7 @@ def recommend(
 def _within(c: Constraints) -> str:
     parts = []
     if c.deadline_s is not None:
-        parts.append(f"deadline {c.deadline_s / 86400:.1f} days")
+        parts.append(f"deadline {duration_text(c.deadline_s)}")
     if c.budget_usd is not None:
         parts.append(f"budget ${c.budget_usd:,.0f}")
     if c.max_usd_per_hour is not None:
@@ -311,7 +312,7 @@ def _binding(front: list[Point], c: Constraints) -> str:
             closest = min(front, key=key)
             return (
                 f"the {name} binds: no configuration meets it; the closest point needs "
-                f"{closest.time_to_train_s / 86400:.2f} days and "
+                f"{duration_text(closest.time_to_train_s)} and "
                 f"${closest.total_cost_usd:,.0f} on {gpus_label(closest.gpus)}"
             )
     return "no single configuration meets the deadline, budget and hourly cap together"

@@ -45,6 +45,7 @@ from hetplan.search.spot import (
     offer_load,
     slowdowns,
 )
+from hetplan.units import duration_text
 
 
 def owned_usd_per_hour(owned: Cluster) -> float:
@@ -248,7 +249,7 @@ def explain_owned(best: Point | None, points: list[Point], owned: Cluster) -> st
     else:
         full = [p for p in points if p.owned == every and p.gpus == best.gpus]
         cmp = (
-            f" (all of them would take {full[0].time_to_train_s / 86400:.2f} days for "
+            f" (all of them would take {duration_text(full[0].time_to_train_s)} for "
             f"${full[0].total_cost_usd:,.0f})"
             if full
             else " (all of them, with the same rental, were ruled out by proven bounds)"
@@ -256,7 +257,7 @@ def explain_owned(best: Point | None, points: list[Point], owned: Cluster) -> st
         used = (
             f"; uses {sum(best.owned.values())} of the {owned.num_gpus} owned GPUs "
             f"({gpus_label(best.owned)}): this objective "
-            f"prefers {best.time_to_train_s / 86400:.2f} days for "
+            f"prefers {duration_text(best.time_to_train_s)} for "
             f"${best.total_cost_usd:,.0f}{cmp}; owned GPUs left out are not charged"
         )
     alone = next((p for p in points if not p.gpus and p.owned == best.owned), None)
@@ -274,11 +275,11 @@ def explain_owned(best: Point | None, points: list[Point], owned: Cluster) -> st
         return used + (
             f", no rental: renting costs more than its time saving is worth "
             f"to this objective (the fastest rental, {mine}{gpus_label(quick.gpus)}, cuts "
-            f"{alone.time_to_train_s / 86400:.2f} to {quick.time_to_train_s / 86400:.2f} days "
+            f"{duration_text(alone.time_to_train_s, quick.time_to_train_s)} "
             f"for ${quick.total_cost_usd - alone.total_cost_usd:,.0f} more)"
         )
     return used + (
         f"; rents {gpus_label(best.gpus)} ({best.pricing}) beside them: "
-        f"{alone.time_to_train_s / 86400:.2f} -> {best.time_to_train_s / 86400:.2f} days, "
+        f"{duration_text(alone.time_to_train_s, best.time_to_train_s, sep=' -> ')}, "
         f"${alone.total_cost_usd:,.0f} -> ${best.total_cost_usd:,.0f}"
     )
