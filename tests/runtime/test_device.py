@@ -4,6 +4,7 @@ the CUDA matmul flags (which exist without a GPU)."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -68,3 +69,28 @@ def test_a_plan_that_does_not_fit_is_refused_before_start(
     line = res.stderr.strip()
     assert line.startswith("error: PLAN: does not fit in memory: host:0 (cpu, pipeline 0"), line
     assert line.endswith("of 0.0 GB") and res.stdout == "" and not root.exists()
+
+
+@pytest.mark.skipif(not Path("/proc/meminfo").is_file(), reason="the host does not say")
+def test_cpu_ranks_that_would_exhaust_the_host_are_refused_before_start(tmp_path: Path) -> None:
+    # GPT-3 175B's state alone is 16 bytes x 175e9 = 2.8 TB a replica (mixed-precision
+    # Adam): two CPU ranks of it exceed any host, though each "device" here holds 1 PB
+    cluster = tmp_path / "big.yaml"
+    cluster.write_text(
+        "gpu_types:\n  cpu: {fp32_tflops: 0.1, fp16_tflops: 0.2, memory_gb: 1000000, "
+        "hbm_gbyte_per_s: 10}\nnodes:\n  - {name: host, gpu: cpu, gpus: 2}\n"
+    )
+    plan = tmp_path / "p.json"
+    plan.write_text(json.dumps({
+        "global_batch_size": 2, "micro_batch_size": 1, "precision": "fp32",
+        "pipelines": [{"batch_size": 1, "stages": [{"layers": 96, "devices": [f"host:{i}"]}]}
+                      for i in range(2)],
+    }))  # fmt: skip
+    cmd = [sys.executable, "-m", "hetplan", "launch", str(plan), "--model", "gpt3-175b",
+           "--cluster", str(cluster), "--device", "cpu", "--seq-len", "128"]  # fmt: skip
+    res = subprocess.run(cmd, env=_env(1), capture_output=True, text=True, timeout=300)
+    assert res.returncode == 2, res.stderr
+    line = res.stderr.strip().splitlines()[-1]
+    assert line.startswith("error: --device: cpu: the plan's 2 processes here would hold ")
+    need = float(line.split("would hold ")[1].split(" GB")[0].replace(",", ""))
+    assert need >= 2 * 16 * 175e9 / 1e9  # at least the two replicas' Adam state

@@ -135,12 +135,14 @@ def launch(
 
     The plan options given explicitly override the plan file's fields, as in ``predict``."""
     from hetplan.runtime.launch import (
+        check_host_memory,
         format_command,
         local_command,
         node_commands,
         preflight,
         run_command,
     )
+    from hetplan.runtime.support import resolve_device
 
     if seq_len is not None and seq_len <= 0:
         raise InputError("--seq-len", "must be positive")
@@ -229,6 +231,7 @@ def launch(
         return
     with tempfile.TemporaryDirectory(prefix="hetplan-run-") as tmp:
         cfg = replace(cfg, result=str(Path(tmp) / "result.json"))
+        here = checked.devices
         if multi:
             assert master_addr is not None and node_rank is not None
             cmds = node_commands(cfg, checked, master_addr, master_port)
@@ -236,8 +239,13 @@ def launch(
                 raise InputError("--node-rank", f"must be in [0, {len(cmds)})")
             cmd = cmds[node_rank][1]
             cmd[0:1] = [*local_command(cfg, 1)[:3]]  # the same interpreter's torchrun
+            here = [d for d in here if d.rpartition(":")[0] == cmds[node_rank][0]]
         else:
             cmd = local_command(cfg, len(checked.devices))
+        if resolve_device(device) == "cpu":  # the ranks share this machine's memory
+            tensors = {d: s.memory.total - s.memory.reserve for s in est.stages
+                       for d in s.devices}  # fmt: skip
+            check_host_memory(tensors, here)
         try:
             record = run_command(cmd, cfg, timeout_s=None)
         except (RuntimeError, subprocess.SubprocessError) as exc:

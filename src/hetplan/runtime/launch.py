@@ -93,6 +93,35 @@ def check_gpu_count(processes: int) -> None:
                          f"one GPU each, and this machine has {have}")  # fmt: skip
 
 
+def host_available_bytes() -> float | None:
+    """Returns the memory this machine can give new processes (Linux's MemAvailable), or
+    None where it does not say."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return float(line.split()[1]) * 1024.0
+    except OSError:
+        return None
+    return None
+
+
+def check_host_memory(need_bytes: dict[str, float], devices: list[str]) -> None:
+    """Raises InputError if the ranks of ``devices``, run as CPU processes on this machine,
+    would hold more than it has available: each its model state and activations at the
+    cost model's peak (``need_bytes``, per device), without the GPU's reserve. A plan made
+    for GPUs otherwise starts and its ranks are killed one by one when memory runs out."""
+    have = host_available_bytes()
+    need = sum(need_bytes[d] for d in devices)
+    if have is not None and need > have:
+        raise InputError(
+            "--device",
+            f"cpu: the plan's {len(devices)} processes here would hold {need / 1e9:,.1f} GB of "
+            f"weights, gradients, optimizer state and activations (the cost model's peaks), "
+            f"and this machine has {have / 1e9:,.1f} GB available",
+        )
+
+
 def worker_args(cfg: RunConfig) -> list[str]:
     """Returns the worker's command-line arguments for ``cfg``."""
     out: list[str] = []
