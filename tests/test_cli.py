@@ -344,3 +344,24 @@ def test_provision_names_the_dominated_offers(tmp_path):
     words = " ".join(text.stdout.split())  # the title wraps
     assert "2 left out as dominated by a better, no dearer offer" in words
     assert "dominated offers" in words and "l4 by rtx-4090" in words
+
+
+def test_calibration_summary_reads_as_sentences():
+    from hetplan.commands.calibrate import summary_text
+
+    summary = {"n": 47, "mae_pct": 4.21, "max_pct": 10.04, "spearman": 0.9876, "loo": False,
+               "first_pick": {"groups": 2, "best_picked": 1, "worst_ratio": 1.0432,
+                              "worst_pick": "mb2 tp2", "worst_best": "mb1 tp4"},
+               "oom_rows": 5, "oom_rows_flagged": 3, "measured_rows_flagged": 1}  # fmt: skip
+    assert summary_text(summary, "in-sample") == (
+        "in-sample over 47 runs: mean error 4.2%, worst 10.0%; rank correlation 0.988; "
+        "first pick: the best in 1 of 2 groups (worst 1.043x the best: picked mb2 tp2, best "
+        "mb1 tp4); 5 ran out of memory, 3 of them predicted not to fit; 1 measured run "
+        "predicted not to fit"
+    )
+    two = {"n": 2, "mae_pct": 0.84, "max_pct": 0.87, "spearman": float("nan"),
+           "first_pick": {"groups": 0}, "oom_rows": 0, "measured_rows_flagged": 0}  # fmt: skip
+    assert summary_text(two, "cold leave-one-out") == (
+        "cold leave-one-out over 2 runs: mean error 0.8%, worst 0.9%; rank correlation n/a "
+        "(fewer than 3 runs); first pick: no group of comparable runs"
+    )

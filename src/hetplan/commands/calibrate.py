@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -83,18 +84,39 @@ def calibrate(
     terms = fitted_terms_table({"fitted_terms": fitted.fit_report.get("terms", {})})
     if terms is not None:
         out.print(terms)
-    out.print(", ".join(f"{k}: {_readable(v)}" for k, v in summary.items()), highlight=False)
+    out.print(summary_text(summary, kind), highlight=False)
     if out_path is not None:
         out.print(f"parameters written to {out_path}")
 
 
-def _readable(value: Any) -> str:
-    """Returns a value as a person writes it: numbers to 3 figures, mappings as 'key value'
-    pairs and lists as comma-separated items (never a Python repr)."""
-    if isinstance(value, float):
-        return f"{value:.3g}"
-    if isinstance(value, dict):
-        return "(" + ", ".join(f"{k} {_readable(v)}" for k, v in value.items()) + ")"
-    if isinstance(value, list | tuple):
-        return ", ".join(_readable(v) for v in value)
-    return str(value)
+def summary_text(summary: dict[str, Any], kind: str) -> str:
+    """Returns the error summary of a calibration (``calibrate_report._summary``) as
+    sentences a person reads: errors in percent, the rank correlation where there are runs
+    to rank, which plan each group of comparable runs would pick, and the runs that ran
+    out of memory against what the model said."""
+    n = summary.get("n", 0)
+    if not n:
+        return f"{kind}: no measured run to compare"
+    parts = [f"{kind} over {n} run{'s' * (n != 1)}: mean error {summary['mae_pct']:.1f}%, "
+             f"worst {summary['max_pct']:.1f}%"]  # fmt: skip
+    rho = summary.get("spearman", math.nan)
+    parts.append("rank correlation " + ("n/a (fewer than 3 runs)" if math.isnan(rho)
+                                        else f"{rho:.3f}"))  # fmt: skip
+    pick = summary.get("first_pick") or {}
+    groups = pick.get("groups", 0)
+    if groups:
+        text = f"first pick: the best in {pick['best_picked']} of {groups} groups"
+        if pick["worst_ratio"] > 1.0 + 1e-12:
+            text += (f" (worst {pick['worst_ratio']:.3f}x the best: picked "
+                     f"{pick['worst_pick']}, best {pick['worst_best']})")  # fmt: skip
+        parts.append(text)
+    else:
+        parts.append("first pick: no group of comparable runs")
+    oom = summary.get("oom_rows", 0)
+    if oom:
+        parts.append(f"{oom} ran out of memory, {summary['oom_rows_flagged']} of them "
+                     "predicted not to fit")  # fmt: skip
+    flagged = summary.get("measured_rows_flagged", 0)
+    if flagged:
+        parts.append(f"{flagged} measured run{'s' * (flagged != 1)} predicted not to fit")
+    return "; ".join(parts)
