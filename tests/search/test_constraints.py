@@ -216,3 +216,25 @@ def test_cli_names_the_constraint_that_makes_a_request_infeasible():
         line = res.stderr.strip()
         assert line.startswith(f"error: {option}: no plan satisfies"), line
         assert "without it the best plan is" in line
+
+
+def test_an_impossible_tensor_parallel_degree_says_why():
+    # gpt3-6.7b: 32 heads, 32 key-value heads, an MLP of 16,384 (models.yaml); 3 divides
+    # none of them, and a group of 16 needs more GPUs than a node of 8 holds
+    res = subprocess.run(
+        [sys.executable, "-m", "hetplan", "plan", "-m", "gpt3-6.7b", "-c", "A100-80GB:4x8",
+         "--tp", "3,16"], capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert res.returncode == 2
+    assert res.stderr.strip().startswith(
+        "error: --tp: no plan satisfies --tp 3,16 with the other constraints: TP 3 does not "
+        "divide gpt3-6.7b's 32 attention heads or 32 key-value heads or 16,384 MLP width; "
+        "TP 16 needs 16 GPUs in one node, and the largest has 8; without it the best plan is "
+    ), res.stderr
+    # a degree that could be, were it not for another limit, gets no such reason
+    res = subprocess.run(
+        [sys.executable, "-m", "hetplan", "plan", "-m", "gpt3-6.7b", "-c", "A100-80GB:4x8",
+         "--tp", "8", "--pp", "64"], capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert res.returncode == 2
+    assert ": TP" not in res.stderr and "no plan satisfies" in res.stderr

@@ -143,7 +143,7 @@ def plan(
     elapsed = time.perf_counter() - start
     if not ranked:
         if limits.active:
-            field, reason = _infeasible(search, limits)
+            field, reason = _infeasible(search, limits, spec, limits.apply_to_cluster(whole))
             raise InputError(field, reason)
         raise InputError("plan", no_fit)
     ranked = [(dataclasses.replace(p, model=spec), e) for p, e in ranked]  # files state it
@@ -221,18 +221,40 @@ def _plan_search(
     return run
 
 
-def _infeasible(search: Any, limits: Any) -> tuple[str, str]:
+def _infeasible(search: Any, limits: Any, spec: ModelSpec, cl: Cluster) -> tuple[str, str]:
     """Returns (option, reason) for a constrained search that found no plan: the first
-    constraint without which a plan exists (each tried alone), else all of them."""
+    constraint without which a plan exists (each tried alone), with why none of its tensor-
+    parallel degrees can be where that is plain from the model and cluster; else all."""
     for text, option, relaxed in limits.relaxations():
         ranked = search(relaxed, 1)[0]
         if ranked:
+            why = tp_obstacle(limits.tp, spec, cl) if option == "--tp" else None
             return option, (
-                f"no plan satisfies {text} with the other constraints; without it the best "
-                f"plan is {plan_label(ranked[0][0])}"
+                f"no plan satisfies {text} with the other constraints"
+                + (f": {why}" if why else "")
+                + f"; without it the best plan is {plan_label(ranked[0][0])}"
             )
     given = " ".join(limits.described())
     return "plan", f"no plan satisfies {given}, nor any of them relaxed alone"
+
+
+def tp_obstacle(tps: tuple[int, ...], spec: ModelSpec, cl: Cluster) -> str | None:
+    """Returns why no stage can take any of the tensor-parallel degrees ``tps`` whatever
+    the other knobs (a group inside one node, splitting the heads, the key-value heads and
+    the MLP evenly), or None where one of them could."""
+    node_gpus = max(n.gpus for n in cl.nodes)
+    reasons = []
+    for t in tps:
+        if t > node_gpus:
+            reasons.append(f"TP {t} needs {t} GPUs in one node, and the largest has {node_gpus}")
+            continue
+        parts = [(spec.heads, "attention heads"), (spec.kv_heads, "key-value heads"),
+                 (spec.ffn, "MLP width")]  # fmt: skip
+        uneven = [f"{n:,} {what}" for n, what in parts if n % t]
+        if not uneven:
+            return None
+        reasons.append(f"TP {t} does not divide {spec.name}'s {' or '.join(uneven)}")
+    return "; ".join(reasons)
 
 
 def _print_baselines(best: Estimate, baselines: dict[str, Any]) -> None:
