@@ -238,3 +238,16 @@ def test_an_impossible_tensor_parallel_degree_says_why():
     )  # fmt: skip
     assert res.returncode == 2
     assert ": TP" not in res.stderr and "no plan satisfies" in res.stderr
+
+
+def test_impossible_pipeline_and_replica_counts_say_why():
+    base = [sys.executable, "-m", "hetplan", "plan", "-m", "gpt3-6.7b", "-c", "A100-80GB:4x8"]
+    for extra, expected in (
+        (["--pp", "33"], "error: --pp: no plan satisfies --pp 33 with the other constraints: "
+         "every stage the searches make holds a layer and a GPU, and gpt3-6.7b has 32 layers "
+         "on 32 GPUs; without it"),
+        (["--dp", "64"], "error: --dp: no plan satisfies --dp 64 with the other constraints: "
+         "every replica needs a GPU, and the cluster has 32; without it"),
+    ):  # fmt: skip
+        res = subprocess.run([*base, *extra], capture_output=True, text=True, timeout=120)
+        assert res.returncode == 2 and res.stderr.startswith(expected), res.stderr
