@@ -247,7 +247,21 @@ def test_impossible_pipeline_and_replica_counts_say_why():
          "every stage the searches make holds a layer and a GPU, and gpt3-6.7b has 32 layers "
          "on 32 GPUs; without it"),
         (["--dp", "64"], "error: --dp: no plan satisfies --dp 64 with the other constraints: "
-         "every replica needs a GPU, and the cluster has 32; without it"),
+         "every replica needs a GPU, and there are 32 GPUs; without it"),
     ):  # fmt: skip
         res = subprocess.run([*base, *extra], capture_output=True, text=True, timeout=120)
         assert res.returncode == 2 and res.stderr.startswith(expected), res.stderr
+
+
+def test_provision_names_why_a_tensor_parallel_limit_is_impossible():
+    # the small market's largest node has 8 GPUs (examples/markets/small.yaml)
+    small = Path(__file__).parents[2] / "examples" / "markets" / "small.yaml"
+    res = subprocess.run(
+        [sys.executable, "-m", "hetplan", "provision", "-m", "gpt3-6.7b", "--tokens", "1e9",
+         "--market", str(small), "--tp", "16"], capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert res.returncode == 2
+    assert res.stderr.strip() == (
+        "error: --tp: no configuration of the market has a plan that satisfies --tp 16: "
+        "TP 16 needs 16 GPUs in one node, and the largest has 8"
+    )

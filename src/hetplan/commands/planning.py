@@ -228,7 +228,7 @@ def _infeasible(search: Any, limits: Any, spec: ModelSpec, cl: Cluster) -> tuple
     for text, option, relaxed in limits.relaxations():
         ranked = search(relaxed, 1)[0]
         if ranked:
-            why = degree_obstacle(option, limits, spec, cl)
+            why = limits.obstacle(option, spec, max(n.gpus for n in cl.nodes), cl.num_gpus)
             return option, (
                 f"no plan satisfies {text} with the other constraints"
                 + (f": {why}" if why else "")
@@ -236,41 +236,6 @@ def _infeasible(search: Any, limits: Any, spec: ModelSpec, cl: Cluster) -> tuple
             )
     given = " ".join(limits.described())
     return "plan", f"no plan satisfies {given}, nor any of them relaxed alone"
-
-
-def degree_obstacle(option: str, limits: Any, spec: ModelSpec, cl: Cluster) -> str | None:
-    """Returns why none of the values a degree limit allows can be, whatever the other
-    knobs, where the model and cluster alone say so (``tp_obstacle``; a pipeline of more
-    stages than layers or GPUs; more replicas than GPUs), or None."""
-    if option == "--tp":
-        return tp_obstacle(limits.tp, spec, cl)
-    if option == "--pp":
-        too_many = [p for p in limits.pp if p > min(spec.layers, cl.num_gpus)]
-        if len(too_many) == len(limits.pp):
-            return (f"every stage the searches make holds a layer and a GPU, and "
-                    f"{spec.name} has {spec.layers} layers on {cl.num_gpus} GPUs")  # fmt: skip
-    if option == "--dp" and all(d > cl.num_gpus for d in limits.dp):
-        return f"every replica needs a GPU, and the cluster has {cl.num_gpus}"
-    return None
-
-
-def tp_obstacle(tps: tuple[int, ...], spec: ModelSpec, cl: Cluster) -> str | None:
-    """Returns why no stage can take any of the tensor-parallel degrees ``tps`` whatever
-    the other knobs (a group inside one node, splitting the heads, the key-value heads and
-    the MLP evenly), or None where one of them could."""
-    node_gpus = max(n.gpus for n in cl.nodes)
-    reasons = []
-    for t in tps:
-        if t > node_gpus:
-            reasons.append(f"TP {t} needs {t} GPUs in one node, and the largest has {node_gpus}")
-            continue
-        parts = [(spec.heads, "attention heads"), (spec.kv_heads, "key-value heads"),
-                 (spec.ffn, "MLP width")]  # fmt: skip
-        uneven = [f"{n:,} {what}" for n, what in parts if n % t]
-        if not uneven:
-            return None
-        reasons.append(f"TP {t} does not divide {spec.name}'s {' or '.join(uneven)}")
-    return "; ".join(reasons)
 
 
 def _print_baselines(best: Estimate, baselines: dict[str, Any]) -> None:

@@ -13,6 +13,7 @@ from typing import Any, TypeVar
 
 from hetplan.cluster import Cluster
 from hetplan.errors import InputError, shown
+from hetplan.model import ModelSpec
 from hetplan.plan import RECOMPUTE, SCHEDULES, Plan
 from hetplan.search.homogeneous_candidates import SearchSpace
 
@@ -125,6 +126,35 @@ class PlanConstraints:
             changes: dict[str, Any] = {f.name: f.default}
             out.append((text, option, replace(self, **changes)))
         return out
+
+    def obstacle(
+        self, option: str, model: ModelSpec, node_gpus: int, total_gpus: int
+    ) -> str | None:
+        """Returns why no value the limit ``option`` allows can be, whatever the other
+        knobs, where the model and the hardware's size alone say so (nodes of at most
+        ``node_gpus`` GPUs, ``total_gpus`` in all), or None: a tensor-parallel group inside
+        one node, splitting the heads, the key-value heads and the MLP evenly; a stage per
+        layer and GPU at most; a GPU per replica."""
+        if option == "--tp" and self.tp:
+            reasons = []
+            for t in self.tp:
+                if t > node_gpus:
+                    reasons.append(f"TP {t} needs {t} GPUs in one node, and the largest has "
+                                   f"{node_gpus}")  # fmt: skip
+                    continue
+                parts = [(model.heads, "attention heads"), (model.kv_heads, "key-value heads"),
+                         (model.ffn, "MLP width")]  # fmt: skip
+                uneven = [f"{n:,} {what}" for n, what in parts if n % t]
+                if not uneven:
+                    return None
+                reasons.append(f"TP {t} does not divide {model.name}'s {' or '.join(uneven)}")
+            return "; ".join(reasons)
+        if option == "--pp" and self.pp and min(self.pp) > min(model.layers, total_gpus):
+            return (f"every stage the searches make holds a layer and a GPU, and "
+                    f"{model.name} has {model.layers} layers on {total_gpus} GPUs")  # fmt: skip
+        if option == "--dp" and self.dp and min(self.dp) > total_gpus:
+            return f"every replica needs a GPU, and there are {total_gpus} GPUs"
+        return None
 
     def violation(self, plan: Plan) -> str | None:
         """Returns the first constraint ``plan`` breaks, as its option name, or None."""

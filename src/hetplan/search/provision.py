@@ -414,9 +414,14 @@ def provision(
     if not front and planned and job.limits.active:
         # configurations were planned and none had a plan: the limits on plans did it
         given = limits.relaxations()
+        node_gpus = max(o.gpus_per_node for o in offers)
+        total = sum(o.gpus_per_node * o.max_nodes for o in offers)
+        whys = [w for _, option, _ in given
+                if (w := limits.obstacle(option, model, node_gpus, total))]  # fmt: skip
         raise InputError(", ".join(option for _, option, _ in given),
                          "no configuration of the market has a plan that satisfies "
-                         + " ".join(limits.described()))  # fmt: skip
+                         + " ".join(limits.described())
+                         + "".join(f": {w}" for w in whys[:1]))  # fmt: skip
     best, why = recommend(front, objective, constraints)
     reasons = dict(job.impossible)
     return ProvisionResult(
