@@ -74,8 +74,9 @@ def part_64_gpus() -> None:
 
 def part_1024_gpus() -> None:
     """Prints replan and recovery figures of GPT-3 175B's best plan on 1,024 A100 (128 nodes)
-    losing 1, 2 and 4 nodes: the recovery problem has over a thousand missing shards, each
-    with dozens of surviving holders (solve s: its whole LP and MILP)."""
+    losing 1, 2 and 4 nodes, and of Llama 3 405B's on 16,384 H100 losing 1 and 2: recovery
+    problems of over a thousand missing shards, each with dozens to hundreds of surviving
+    holders (solve s: the balanced choice, or the LP and MILP where it misses its bound)."""
     from hetplan.cluster import parse_inline_cluster
     from hetplan.search.homogeneous import search_homogeneous
 
@@ -85,6 +86,11 @@ def part_1024_gpus() -> None:
     losses = [["a100-80gb-5"], ["a100-80gb-5", "a100-80gb-77"],
               ["a100-80gb-5", "a100-80gb-77", "a100-80gb-100", "a100-80gb-127"]]  # fmt: skip
     _table("\ngpt3-175b on 1,024 A100-80GB, best plan", old, model, cluster, losses)
+    cluster = parse_inline_cluster("H100-80GB:2048x8")
+    model = load_model("llama3-405b")
+    old = search_homogeneous(model, cluster, model.default_global_batch, "bf16", 1).ranked[0][0]
+    losses = [["h100-80gb-7"], ["h100-80gb-7", "h100-80gb-1000"]]
+    _table("\nllama3-405b on 16,384 H100-80GB, best plan", old, model, cluster, losses)
 
 
 def _table(

@@ -11,6 +11,7 @@ from hetplan.elastic.recovery import (
     LOCAL,
     STORAGE,
     RecoveryProblem,
+    balanced_choice,
     baseline_s,
     makespan_s,
     plan_recovery,
@@ -132,3 +133,36 @@ def test_verification_and_file_latency_by_hand() -> None:
 def test_bad_hash_throughput_is_an_input_error() -> None:
     with pytest.raises(InputError, match="hash throughput"):
         RecoveryProblem({"s": 1}, {"a": frozenset({"s"})}, {}, {"a": 1.0}, 1.0, None, 0.0)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_balanced_bound_never_exceeds_the_optimum(seed: int) -> None:
+    problem = _random_problem(random.Random(seed))
+    pairs = problem.missing()
+    if not pairs:
+        return
+    choice, bound = balanced_choice(problem, pairs)
+    assert set(choice) == set(pairs)
+    assert bound + problem.fixed_s() <= _brute_force_s(problem) + 1e-12
+
+
+def test_many_replicas_recover_at_the_receiving_nics() -> None:
+    # 64 surviving replicas each hold all 10 shards of 4 MB; 4 fresh nodes need all of
+    # them through their own 1 MB/s NICs: 10 x 4 MB / 1 MB/s = 40 s each, however the
+    # sources are chosen, and 64 peers can serve that without any one exceeding it
+    shards = {f"s{k}": 4 * 10**6 for k in range(10)}
+    peers = {f"p{i}": frozenset(shards) for i in range(64)}
+    fresh = {f"f{i}": frozenset(shards) for i in range(4)}
+    nic = {n: 1e6 for n in [*peers, *fresh]}
+    problem = RecoveryProblem(shards, {**fresh, **peers}, peers, nic, 1e6,
+                              hash_bytes_per_s=1e12, file_latency_s=0.0)  # fmt: skip
+    plan = plan_recovery(problem)
+    assert plan.optimal and plan.bytes_from_storage == 0
+    # (each node's CPU verifies its 40 MB at 1 TB/s beside the transfers: 40 us, not added)
+    assert plan.predicted_recovery_s == pytest.approx(40.0)
+    assert plan.lower_bound_s == pytest.approx(plan.predicted_recovery_s)
+    busiest: dict[str, int] = {}
+    for t in plan.transfers:
+        if t.source not in (LOCAL, STORAGE):
+            busiest[t.source] = busiest.get(t.source, 0) + t.bytes
+    assert max(busiest.values()) <= 40e6  # no peer sends more than a NIC's 40 s
