@@ -79,14 +79,6 @@ def print_json(obj: Any) -> None:
     sys.stdout.flush()
 
 
-def refuse_unfit(est: Any, option: str) -> None:
-    """Raises InputError naming ``option`` if the estimated plan does not fit in memory (a
-    plan that cannot run is bad input, exit code 2), with what its worst stage needs."""
-    shortfall = est.memory_shortfall()
-    if shortfall is not None:
-        raise InputError(option, f"does not fit in memory: {shortfall}")
-
-
 def no_fit_message(min_bytes: float, cluster: Cluster, floor_bytes: float = 0.0) -> str:
     """Returns why a search found no plan: the least per-GPU need of any plan it weighed
     against the largest GPU; where it weighed none (``min_bytes`` inf), that no split of the

@@ -9,6 +9,8 @@ from typing import Annotated
 
 import typer
 
+from hetplan.errors import InputError
+
 PROFILE_ENV = "HETPLAN_PROFILE"
 
 ModelOpt = Annotated[str, typer.Option("--model", "-m", help="Catalog name or config.json")]
@@ -24,8 +26,6 @@ PlanOpt = Annotated[
 def plan_file(arg: Path | None, opt: Path | None, required: bool = True) -> tuple[Path | None, str]:
     """Returns the plan file a command was given, as its argument PLAN or as --plan (every
     command that reads one takes both), and the name its messages use."""
-    from hetplan.errors import InputError
-
     if arg is not None and opt is not None and arg != opt:
         raise InputError("--plan", f"two plan files given ({arg} and {opt}): give one")
     if arg is None and opt is None and required:

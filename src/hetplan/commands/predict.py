@@ -14,7 +14,6 @@ from hetplan.commands.common import (
     out,
     print_json,
     print_warnings,
-    refuse_unfit,
     resolve_batch,
     resolve_precision,
     tf32_note,
@@ -217,7 +216,7 @@ def predict(
         out.print(plans_table([(the_plan, est)], f"{spec.name}: predicted"))
         print_warnings(est.warnings)
         out.print(breakdown_table(est))
-    refuse_unfit(est, named if plan_path is not None else "plan")
+    est.require_fit(named if plan_path is not None else "plan")
 
 
 def _with_layout(plan: Plan, text: str, layers: int, virtual_stages: int | None) -> Plan:

@@ -11,6 +11,7 @@ from typing import Any
 from hetplan.cost.memory import MemoryBreakdown
 from hetplan.cost.money import MoneyParts
 from hetplan.cost.schedule import Replay
+from hetplan.errors import InputError
 from hetplan.plan import Pipeline
 
 
@@ -168,6 +169,13 @@ class Estimate:
             f"{worst.layers} layers) needs {worst.memory.total / 1e9:.1f} GB of "
             f"{worst.capacity_bytes / 1e9:.1f} GB"
         )
+
+    def require_fit(self, option: str) -> None:
+        """Raises InputError naming ``option`` where the plan does not fit in memory (a plan
+        that cannot run is bad input, exit code 2), with ``memory_shortfall``."""
+        shortfall = self.memory_shortfall()
+        if shortfall is not None:
+            raise InputError(option, f"does not fit in memory: {shortfall}")
 
     def to_json(self, expand: bool = False) -> dict[str, Any]:
         """Returns the JSON object the CLI prints: per distinct stage its replicas and peak

@@ -131,9 +131,7 @@ def run_elastic(
         # a process reads its calibration and fills its caches (about 1 ms on the bench's
         # CPU plan), which a replan after a preemption would otherwise pay in its downtime
         params = params or default_params()  # launch's --params and --profile, else shipped
-        shortfall = estimate(plan, model, cluster, params).memory_shortfall()
-        if shortfall is not None:  # as launch refuses it without --elastic
-            raise InputError("PLAN", f"does not fit in memory: {shortfall}")
+        estimate(plan, model, cluster, params).require_fit("PLAN")  # as launch refuses it
         for attempt in range(max_recoveries + 1):
             order = preflight(cur).devices
             failed = launch_workers(cur, len(order))

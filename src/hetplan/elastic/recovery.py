@@ -305,6 +305,52 @@ def balanced_choice(
     return choice, lower
 
 
+def _milp_choice(
+    problem: RecoveryProblem, pairs: list[tuple[str, str]], time_limit_s: float, notes: list[str]
+) -> tuple[dict[tuple[str, str], str], float, bool]:
+    """Returns the MILP's assignment of sources to ``pairs`` (HiGHS), its LP relaxation's
+    recovery time as the lower bound, and whether the MILP proved it optimal; what it gave
+    up on goes to ``notes``."""
+    cols, a_eq, a_ub, b_ub, c = _matrices(problem, pairs)
+    n = len(cols) + 1
+    lp = linprog(
+        c,
+        A_ub=a_ub,
+        b_ub=b_ub,
+        A_eq=a_eq,
+        b_eq=np.ones(len(pairs)),
+        bounds=[(0, 1)] * (n - 1) + [(0, None)],
+        method="highs",
+    )
+    lower = float(lp.x[-1]) + problem.fixed_s() if lp.status == 0 else 0.0
+    integrality = np.ones(n)
+    integrality[-1] = 0
+    res = milp(
+        c,
+        constraints=[
+            LinearConstraint(a_eq, 1.0, 1.0),
+            LinearConstraint(a_ub, -np.inf, b_ub),
+        ],
+        integrality=integrality,
+        bounds=Bounds(np.r_[np.zeros(n - 1), 0.0], np.r_[np.ones(n - 1), np.inf]),
+        options={"time_limit": time_limit_s, "mip_rel_gap": 1e-6},
+    )
+    if res.x is not None:
+        x = res.x
+        optimal = res.status == 0
+        if not optimal:
+            notes.append(f"MILP stopped at its {time_limit_s:g} s limit; best found kept")
+    else:
+        x = lp.x  # round the relaxation: each shard from its largest share
+        optimal = False
+        notes.append("MILP found no solution in time; rounded the LP relaxation")
+    best: dict[int, tuple[float, str]] = {}
+    for j, (i, src) in enumerate(cols):
+        if i not in best or x[j] > best[i][0]:
+            best[i] = (x[j], src)
+    return {pairs[i]: src for i, (_, src) in best.items()}, lower, optimal
+
+
 def plan_recovery(problem: RecoveryProblem, time_limit_s: float = 5.0) -> RecoveryPlan:
     """Returns the assignment of sources minimising the recovery time: the balanced choice
     where it meets its lower bound (provably optimal, ``balanced_choice``), else the MILP
@@ -315,48 +361,10 @@ def plan_recovery(problem: RecoveryProblem, time_limit_s: float = 5.0) -> Recove
     choice: dict[tuple[str, str], str] = {}
     lower, optimal = makespan_s(problem, {}), True
     if pairs:
-        quick, bound = balanced_choice(problem, pairs)
-        if makespan_s(problem, quick) <= bound * (1 + 1e-12) + problem.fixed_s():
-            choice, lower, pairs = quick, bound + problem.fixed_s(), []
-    if pairs:
-        cols, a_eq, a_ub, b_ub, c = _matrices(problem, pairs)
-        n = len(cols) + 1
-        lp = linprog(
-            c,
-            A_ub=a_ub,
-            b_ub=b_ub,
-            A_eq=a_eq,
-            b_eq=np.ones(len(pairs)),
-            bounds=[(0, 1)] * (n - 1) + [(0, None)],
-            method="highs",
-        )
-        lower = float(lp.x[-1]) + problem.fixed_s() if lp.status == 0 else 0.0
-        integrality = np.ones(n)
-        integrality[-1] = 0
-        res = milp(
-            c,
-            constraints=[
-                LinearConstraint(a_eq, 1.0, 1.0),
-                LinearConstraint(a_ub, -np.inf, b_ub),
-            ],
-            integrality=integrality,
-            bounds=Bounds(np.r_[np.zeros(n - 1), 0.0], np.r_[np.ones(n - 1), np.inf]),
-            options={"time_limit": time_limit_s, "mip_rel_gap": 1e-6},
-        )
-        if res.x is not None:
-            x = res.x
-            optimal = res.status == 0
-            if not optimal:
-                notes.append(f"MILP stopped at its {time_limit_s:g} s limit; best found kept")
-        else:
-            x = lp.x  # round the relaxation: each shard from its largest share
-            optimal = False
-            notes.append("MILP found no solution in time; rounded the LP relaxation")
-        best: dict[int, tuple[float, str]] = {}
-        for j, (i, src) in enumerate(cols):
-            if i not in best or x[j] > best[i][0]:
-                best[i] = (x[j], src)
-        choice = {pairs[i]: src for i, (_, src) in best.items()}
+        choice, bound = balanced_choice(problem, pairs)
+        lower = bound + problem.fixed_s()
+        if makespan_s(problem, choice) > lower + bound * 1e-12:  # short of its bound
+            choice, lower, optimal = _milp_choice(problem, pairs, time_limit_s, notes)
     transfers = []
     for node in sorted(problem.need):
         for shard in sorted(problem.need[node]):

@@ -19,12 +19,6 @@ from hetplan.report.table import plan_label
 from hetplan.runtime.config import RunConfig
 
 
-def predicted_step_time_s(plan: Any, model: Any, cluster: Any, params: Any) -> tuple[float, str]:
-    """Returns the cost model's iteration time for the plan and which compute source it used."""
-    est = predicted(plan, model, cluster, params)
-    return est.iteration_time_s, est.compute_source
-
-
 def predicted(plan: Any, model: Any, cluster: Any, params: Any = None) -> Any:
     """Returns ``estimate`` of the plan as this runtime runs it, with the cost-model
     ``params`` (``commands.common.load_cost``: a measured profile's times first; None: the
@@ -214,9 +208,7 @@ def launch(
     checked = preflight(cfg)
     console = Console(stderr=as_json)
     est = predicted(checked.plan, checked.model, checked.cluster, params)
-    shortfall = est.memory_shortfall()
-    if shortfall is not None:  # refused before any process starts, as predict refuses it
-        raise InputError(named, f"does not fit in memory: {shortfall}")
+    est.require_fit(named)  # refused before any process starts, as predict refuses it
     pred_step, source = est.iteration_time_s, est.compute_source
     notes = overlap_notes(checked.plan)
     for note in notes:
