@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 from typer.testing import CliRunner
 
 from hetplan.spmd.cli import app
@@ -93,3 +94,112 @@ def test_bad_options_are_one_line_before_any_rank_starts(tmp_path, monkeypatch) 
                          capture_output=True, text=True, timeout=300, env=env)  # fmt: skip
     assert res.returncode == 0, res.stderr[-2000:]
     assert "other torchrun" not in res.stderr and "median step" in res.stdout
+
+
+FACTORIES = """
+import torch
+from torch import nn
+
+
+class Lin(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.l(x).sum()
+
+
+def good():
+    return Lin(), (torch.randn(4, 8),)
+
+def bare_tensor():
+    return Lin(), torch.randn(4, 8)
+
+def only_module():
+    return Lin()
+
+def not_a_module():
+    return 3, (torch.randn(4, 8),)
+
+def int_input():
+    return Lin(), (torch.randn(4, 8), 3)
+
+def two_inputs():
+    return Lin(), (torch.randn(4, 8), torch.randn(4, 8))
+
+def wrong_shape():
+    return Lin(), (torch.randn(4, 7),)
+
+def raises():
+    raise RuntimeError("needs CUDA")
+"""
+
+
+@pytest.mark.parametrize(
+    ("factory", "words"),
+    [
+        ("only_module", "returned Lin"),
+        ("not_a_module", "model of type int"),
+        ("int_input", "input 1 is of type int"),
+        ("two_inputs", "does not take the 2 inputs"),
+        ("wrong_shape", "fails on its example inputs"),
+        ("raises", "RuntimeError: needs CUDA"),
+    ],
+)
+def test_a_factory_that_does_not_give_model_and_tensors_is_named(
+    tmp_path, factory: str, words: str
+) -> None:
+    """Each of these was a traceback (a bare model, a non-module), or worse a plan of the
+    wrong thing: a bare tensor was iterated into its rows, a non-tensor input ignored."""
+    from hetplan.errors import InputError
+    from hetplan.spmd.cli import plan_module
+
+    path = tmp_path / "facts.py"
+    path.write_text(FACTORIES)
+    with pytest.raises(InputError) as err:
+        plan_module(f"{path}:{factory}", "A100-80GB:1x2")
+    assert err.value.field == "--module" and words in str(err.value), str(err.value)
+
+
+def test_a_bare_tensor_input_is_one_input_not_its_rows(tmp_path) -> None:
+    """The batch of 4 rows is one input of shape (4, 8): the same program as the tuple form,
+    whose activations hold 4 x 8 values, not 8."""
+    from hetplan.spmd.cli import plan_module
+
+    path = tmp_path / "facts.py"
+    path.write_text(FACTORIES)
+    bare = plan_module(f"{path}:bare_tensor", "A100-80GB:1x2")
+    tup = plan_module(f"{path}:good", "A100-80GB:1x2")
+    assert bare.predicted_time_s == tup.predicted_time_s
+    assert bare.program.lines() == tup.program.lines()
+
+
+def test_a_factory_module_in_the_current_folder_imports(tmp_path) -> None:
+    """`hetplan spmd plan --module facts:good` from the folder holding facts.py, as
+    `python -m` would find it (the console script alone does not look there)."""
+    from pathlib import Path
+
+    (tmp_path / "facts.py").write_text(FACTORIES)
+    script = Path(sys.executable).parent / "hetplan"
+    res = subprocess.run([str(script), "spmd", "plan", "--module", "facts:good",
+                          "--cluster", "A100-80GB:1x2", "--json"],
+                         capture_output=True, text=True, timeout=120, cwd=tmp_path)  # fmt: skip
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert json.loads(res.stdout)["ratios"] == [0.5, 0.5]
+
+
+def test_the_documented_factory_plans(tmp_path) -> None:
+    """The factory example of docs/spmd.md, written to a file, plans as its comment says."""
+    import re
+    from pathlib import Path
+
+    from hetplan.spmd.cli import plan_module
+
+    doc = (Path(__file__).parent.parent.parent / "docs" / "spmd.md").read_text()
+    code = re.search(r"```python\n(.*?)```", doc, re.S)
+    assert code is not None
+    (tmp_path / "mymodel.py").write_text(code.group(1))
+    res = plan_module(f"{tmp_path / 'mymodel.py'}:make", "A100-80GB:1x4", "batch=32")
+    assert len(res.program.ratios) == 4 and abs(sum(res.program.ratios) - 1) < 1e-9
+    assert res.predicted_time_s < res.dp_ev_time_s * 1.0001

@@ -127,7 +127,7 @@ def trace(module: nn.Module) -> fx.GraphModule:
     try:
         graph = _Tracer().trace(module)
     except Exception as exc:  # fx raises many kinds for untraceable code
-        raise InputError("module", f"torch.fx cannot trace the model: {exc}") from None
+        raise InputError("--module", f"torch.fx cannot trace the model: {exc}") from None
     return fx.GraphModule(module, graph)
 
 
@@ -143,9 +143,15 @@ def capture(module: nn.Module, inputs: tuple[Any, ...], meta: bool = False) -> C
     gm = trace(module)
     rec = _Recorder(gm)
     with torch.enable_grad():
-        result = rec.run(*inputs)
+        try:
+            result = rec.run(*inputs)
+        except (RuntimeError, TypeError, ValueError, IndexError) as exc:  # the model refused
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise InputError(
+                "--module", f"the model's forward fails on its example inputs: {first}"
+            ) from None
     if not isinstance(result, torch.Tensor) or result.dim() != 0:
-        raise InputError("module", "forward must return the scalar training loss")
+        raise InputError("--module", "forward must return the scalar training loss")
     named = dict(module.named_parameters())
     dynamic: set[str] = set()
     nodes: list[GNode] = []
@@ -170,7 +176,7 @@ def capture(module: nn.Module, inputs: tuple[Any, ...], meta: bool = False) -> C
         value = rec.values.get(n.name)
         if n.op == "placeholder":
             if not isinstance(value, torch.Tensor):
-                raise InputError("inputs", f"input {n.name} must be a tensor")
+                raise InputError("--module", f"input {n.name} must be a tensor")
             dynamic.add(n.name)
             in_names.append(n.name)
             nodes.append(node_meta(n.name, value, op="input", location=_location(n)))
@@ -190,7 +196,7 @@ def capture(module: nn.Module, inputs: tuple[Any, ...], meta: bool = False) -> C
         if n.op == "output":
             out = n.args[0]
             if not isinstance(out, fx.Node):
-                raise InputError("module", "forward must return one scalar tensor")
+                raise InputError("--module", "forward must return one scalar tensor")
             loss = out.name
             nodes.append(GNode("output", op="output", args=(Ref(out.name),), inputs=(out.name,)))
             continue
@@ -279,5 +285,5 @@ def capture(module: nn.Module, inputs: tuple[Any, ...], meta: bool = False) -> C
             )
         )
     if problems:
-        raise InputError("module", "unsupported operators:\n  " + "\n  ".join(problems))
+        raise InputError("--module", "unsupported operators:\n  " + "\n  ".join(problems))
     return Captured(nodes, params, paths, consts, in_names, loss)

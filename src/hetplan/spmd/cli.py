@@ -17,6 +17,8 @@ from hetplan.outputs import json_text
 if TYPE_CHECKING:  # torch is imported only when a command runs (keeps `hetplan --help` fast)
     from hetplan.spmd.synth import Synthesis
 
+MODULE_HELP = "pkg.mod:factory or file.py:factory, returning (model, inputs)"
+
 app = typer.Typer(help="Synthesise SPMD programs for any PyTorch model (HAP-style).")
 
 
@@ -34,8 +36,9 @@ def _parse_kwargs(text: str | None) -> dict[str, int]:
 
 def build_example(module: str, inputs: str | None) -> tuple[Any, Any]:
     """Returns the factory's (module, example inputs) for ``--inputs``; a name the factory
-    does not take, or values it refuses, are errors naming --inputs."""
-    from hetplan.spmd.execute import load_factory
+    does not take, or values it refuses, are errors naming --inputs, a result that is not
+    (model, tensors) or a factory that fails otherwise are errors naming --module."""
+    from hetplan.spmd.execute import checked_example, load_factory
 
     factory = load_factory(module)
     kwargs = _parse_kwargs(inputs)
@@ -46,11 +49,14 @@ def build_example(module: str, inputs: str | None) -> tuple[Any, Any]:
     except ValueError:  # no signature to read (a builtin): the call says
         pass
     try:
-        return factory(**kwargs)
+        made = factory(**kwargs)
     except (TypeError, ValueError, ArithmeticError) as exc:
         raise InputError(
             "--inputs", f"{module} refused {inputs or 'its defaults'}: {exc}"
         ) from None
+    except Exception as exc:  # the user's code failed: its own words, on one line
+        raise InputError("--module", f"{module} failed: {type(exc).__name__}: {exc}") from None
+    return checked_example(module, made)
 
 
 def plan_module(
@@ -80,7 +86,7 @@ def _per_rank(text: str, option: str, kind: Any, ok: Any) -> None:
 
 @app.command()
 def plan(
-    module: str = typer.Option(..., "--module", help="pkg.mod:factory"),
+    module: str = typer.Option(..., "--module", help=MODULE_HELP),
     cluster: str = typer.Option(
         ..., "--cluster", "-c", help="Cluster YAML, or inline 'A100-80GB:4x8,T4:1x4'"
     ),
@@ -123,7 +129,7 @@ def plan(
 
 @app.command()
 def run(
-    module: str = typer.Option(..., "--module", help="pkg.mod:factory"),
+    module: str = typer.Option(..., "--module", help=MODULE_HELP),
     cluster: str = typer.Option(
         ..., "--cluster", "-c", help="Cluster YAML, or inline 'A100-80GB:4x8,T4:1x4'"
     ),

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import hashlib
 import importlib
+import importlib.util
+import inspect
 import os
 import socket
+import sys
 import time
 from collections.abc import Callable, Sequence
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -24,18 +29,86 @@ Factory = Callable[..., tuple[torch.nn.Module, tuple[torch.Tensor, ...]]]
 
 
 def load_factory(spec: str) -> Factory:
-    """Returns the factory named 'package.module:function'."""
-    mod_name, _, fn_name = spec.partition(":")
-    if not mod_name or not fn_name:
-        raise InputError("--module", f"{spec!r} is not of the form 'package.module:factory'")
-    try:
-        mod = importlib.import_module(mod_name)
-    except ImportError as exc:
-        raise InputError("--module", f"cannot import {mod_name}: {exc}") from None
+    """Returns the factory named 'package.module:function' or 'path/to/file.py:function'.
+
+    A module is looked up as ``python -m`` would: the current folder first, then the
+    installed packages (the console script alone would not see the current folder).
+    """
+    mod_name, _, fn_name = spec.rpartition(":")
+    if not mod_name or not fn_name or not fn_name.isidentifier():
+        raise InputError(
+            "--module", f"{spec!r} is not of the form 'package.module:factory' or 'file.py:factory'"
+        )
+    if mod_name.endswith(".py"):
+        mod = _module_from_file(mod_name)
+    else:
+        if os.getcwd() not in sys.path and "" not in sys.path:
+            sys.path.insert(0, os.getcwd())
+        try:
+            mod = importlib.import_module(mod_name)
+        except ImportError as exc:
+            raise InputError("--module", f"cannot import {mod_name}: {exc}") from None
     fn = getattr(mod, fn_name, None)
     if not callable(fn):
         raise InputError("--module", f"{mod_name} has no callable {fn_name!r}")
     return fn
+
+
+def _module_from_file(path: str) -> ModuleType:
+    """Returns the module of a Python file, imported once under a name of its own."""
+    full = os.path.abspath(path)
+    if not os.path.isfile(full):
+        raise InputError("--module", f"no such file: {path}")
+    name = "_hetplan_user_" + hashlib.sha1(full.encode()).hexdigest()[:12]
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, full)
+    if spec is None or spec.loader is None:
+        raise InputError("--module", f"cannot import {path}: not a Python file")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    folder = os.path.dirname(full)
+    if folder not in sys.path:  # the file's own imports of its neighbours, as 'python file.py'
+        sys.path.insert(0, folder)
+    try:
+        spec.loader.exec_module(mod)
+    except ImportError as exc:
+        del sys.modules[name]
+        raise InputError("--module", f"cannot import {path}: {exc}") from None
+    return mod
+
+
+def checked_example(spec: str, made: Any) -> tuple[torch.nn.Module, tuple[torch.Tensor, ...]]:
+    """Returns a factory's result as (module, inputs), or says what is wrong with it.
+
+    The factory returns the model and its example inputs: a tensor, or a tuple of
+    tensors, that ``model(*inputs)`` takes and that yields the scalar loss.
+    """
+    want = "the factory returns (model, inputs): an nn.Module and a tuple of tensors"
+    if not isinstance(made, tuple | list) or len(made) != 2:
+        raise InputError("--module", f"{spec} returned {type(made).__name__}: {want}")
+    module, inputs = made
+    if not isinstance(module, torch.nn.Module):
+        kind = type(module).__name__
+        raise InputError("--module", f"{spec} returned a model of type {kind}: {want}")
+    if isinstance(inputs, torch.Tensor):
+        inputs = (inputs,)
+    if not isinstance(inputs, tuple | list):
+        raise InputError("--module", f"{spec} returned {type(inputs).__name__} inputs: {want}")
+    for i, x in enumerate(inputs):
+        if not isinstance(x, torch.Tensor):
+            raise InputError(
+                "--module", f"{spec}: input {i} is of type {type(x).__name__}; inputs are tensors"
+            )
+    try:
+        inspect.signature(module.forward).bind(*inputs)
+    except TypeError as exc:
+        raise InputError(
+            "--module", f"{spec}: its model's forward does not take the {len(inputs)} inputs: {exc}"
+        ) from None
+    except ValueError:  # no signature to read: the traced call says
+        pass
+    return module, tuple(inputs)
 
 
 def free_port() -> int:
