@@ -3,7 +3,7 @@
 import subprocess
 import sys
 
-from hetplan.errors import shown
+from hetplan.errors import InputError, shown
 
 
 def test_shown_writes_values_as_yaml_would():
@@ -141,3 +141,26 @@ def test_a_message_in_brackets_prints_as_written(tmp_path):
                          capture_output=True, text=True, timeout=120)  # fmt: skip
     assert res.returncode == 2
     assert "expected [[c2, c1, c0], max_bytes_per_s], got [[1, 2], 5]" in res.stderr, res.stderr
+
+
+def test_a_cluster_no_layout_can_use_says_why_and_how_many():
+    """gpt3-1.3b (24 layers, 32 heads, batch 512) on 8-GPU nodes: TP 8 x PP 24 x DP 512 =
+    98,304 GPUs at most, which plan; one node more does not, and the message says the bound
+    (it said only that no layout divides). 1,009 one-GPU nodes (a prime above 512 and 24)
+    factor no way."""
+    from typer.testing import CliRunner
+
+    from hetplan.cli import app
+
+    runner = CliRunner()
+    ok = runner.invoke(app, ["plan", "-m", "gpt3-1.3b", "-c", "A100-80GB:12288x8", "--json"])
+    assert ok.exit_code == 0, ok.output
+    # in process the command raises the InputError that ``hetplan.cli.main`` prints, exit 2
+    over = runner.invoke(app, ["plan", "-m", "gpt3-1.3b", "-c", "A100-80GB:12289x8"])
+    assert isinstance(over.exception, InputError) and over.exception.field == "plan"
+    assert "uses at most 98,304 GPUs" in over.exception.reason
+    assert "has 98,312" in over.exception.reason
+    prime = runner.invoke(app, ["plan", "-m", "gpt3-1.3b", "-c", "A100-80GB:1009x1"])
+    assert isinstance(prime.exception, InputError)
+    assert "1,009 GPUs do not factor" in prime.exception.reason
+    assert "--max-gpus" in prime.exception.reason

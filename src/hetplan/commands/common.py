@@ -79,11 +79,13 @@ def print_json(obj: Any) -> None:
     sys.stdout.flush()
 
 
-def no_fit_message(min_bytes: float, cluster: Cluster, floor_bytes: float = 0.0) -> str:
+def no_fit_message(
+    min_bytes: float, cluster: Cluster, floor_bytes: float = 0.0, no_layout: str = ""
+) -> str:
     """Returns why a search found no plan: the least per-GPU need of any plan it weighed
     against the largest GPU; where it weighed none (``min_bytes`` inf), that no split of the
     layers fits, with the state's own per-GPU need ``floor_bytes`` (0: no layout divides the
-    model, batch and cluster at all)."""
+    model, batch and cluster at all; ``no_layout`` says why, where the caller knows)."""
     capacity = max(g.memory_bytes for g in cluster.gpu_types_used())
     if min_bytes == float("inf") and floor_bytes > capacity:
         return (
@@ -97,7 +99,9 @@ def no_fit_message(min_bytes: float, cluster: Cluster, floor_bytes: float = 0.0)
             f"(the largest GPU has {capacity / 1e9:.1f} GB)"
         )
     if min_bytes == float("inf"):
-        return "no plan: no parallel layout divides this model, batch and cluster"
+        return "no plan: " + (
+            no_layout or "no parallel layout divides this model, batch and cluster"
+        )
     return (
         f"no plan fits in memory: the smallest per-GPU need of any plan is "
         f"{min_bytes / 1e9:.1f} GB, the largest GPU has {capacity / 1e9:.1f} GB"

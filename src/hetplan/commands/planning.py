@@ -207,8 +207,13 @@ def _plan_search(
             res = search_homogeneous(spec, cl, batch, prec, top, params,
                                      space=homogeneous_space(limits),
                                      flash_attention=flash, progress=progress)  # fmt: skip
+            from hetplan.search.homogeneous_candidates import no_layout_reason
+
             extra = {"candidates": res.candidates, "fitting": res.fitting}
-            return res.ranked, no_fit_message(res.min_memory_bytes, cl), extra, None
+            why = ""
+            if not res.candidates:
+                why = no_layout_reason(spec, cl.num_gpus, cl.nodes[0].gpus, batch)
+            return res.ranked, no_fit_message(res.min_memory_bytes, cl, no_layout=why), extra, None
         from hetplan.search.heterogeneous import search_heterogeneous
 
         hres = search_heterogeneous(spec, cl, batch, prec, top, params, flash, limits, progress)

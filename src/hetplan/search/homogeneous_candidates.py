@@ -75,6 +75,32 @@ class SearchSpace:
     ZeRO-0, its only choice (provisioning's space)."""
 
 
+def tp_splits_model(model: ModelSpec, tp: int) -> bool:
+    """Returns whether ``tp`` ranks split the attention heads and the MLP evenly (KV heads
+    split too, or are replicated across groups of ranks)."""
+    return not (model.heads % tp or model.ffn % tp or (model.kv_heads % tp and tp % model.kv_heads))
+
+
+def no_layout_reason(model: ModelSpec, num_gpus: int, gpus_per_node: int, batch: int) -> str:
+    """Returns why ``enumerate_candidates`` yields nothing for ``num_gpus`` GPUs whatever the
+    knobs: more GPUs than any layout uses, or a count that does not factor by its rules."""
+    tps = [tp for tp in divisors(gpus_per_node) if tp_splits_model(model, tp)]
+    most = max(tps) * model.layers * batch
+    if num_gpus > most:
+        return (
+            f"{model.name} with a batch of {batch} sequences uses at most {most:,} GPUs "
+            f"(TP {max(tps)} x PP {model.layers} layers x DP {batch}), the cluster has "
+            f"{num_gpus:,}: --max-gpus plans on fewer"
+        )
+    per_node = f"{gpus_per_node} GPUs per node" if gpus_per_node > 1 else "one GPU per node"
+    return (
+        f"{num_gpus:,} GPUs do not factor as TP x PP x DP with TP one of "
+        f"{', '.join(map(str, tps))} (dividing {per_node} and the model's heads), PP at most "
+        f"the {model.layers} layers and DP at most the batch of {batch}: --max-gpus plans on "
+        f"fewer"
+    )
+
+
 def enumerate_candidates(
     model: ModelSpec,
     num_gpus: int,
@@ -89,7 +115,7 @@ def enumerate_candidates(
     for tp in divisors(gpus_per_node):
         if space.tp and tp not in space.tp:
             continue
-        if model.heads % tp or model.ffn % tp or (model.kv_heads % tp and tp % model.kv_heads):
+        if not tp_splits_model(model, tp):
             continue
         sps = [sp for sp in space.sequence_parallel if tp > 1 or not sp]
         for pp in divisors(num_gpus // tp):
