@@ -156,3 +156,67 @@ def test_hf_config_activation_and_dropout(tmp_path):
         path.parent.mkdir()
         path.write_text(json.dumps(llama | extra))
         assert load_model(str(path)).dropout is drop
+
+
+def test_gpt_neox_counts_its_published_parameters(tmp_path):
+    """EleutherAI/gpt-neox-20b's config.json (Llama's key names, an ungated GeLU MLP):
+    Black et al. (2022) give 20,554,567,680 parameters. Read as a gated MLP it counted
+    26.6B (a third matrix of 6144 x 24576 in each of 44 layers)."""
+    cfg = {
+        "model_type": "gpt_neox",
+        "hidden_size": 6144,
+        "intermediate_size": 24576,
+        "num_attention_heads": 64,
+        "num_hidden_layers": 44,
+        "vocab_size": 50432,
+        "max_position_embeddings": 2048,
+        "hidden_act": "gelu_fast",
+        "tie_word_embeddings": False,
+    }
+    path = tmp_path / "gpt-neox-20b" / "config.json"
+    path.parent.mkdir()
+    path.write_text(json.dumps(cfg))
+    m = load_model(str(path))
+    assert (m.family, m.mlp_activation, m.ffn) == ("gpt", "gelu", 24576)
+    assert m.total_params() == pytest.approx(20_554_567_680, rel=0.002)
+
+
+@pytest.mark.parametrize(
+    ("extra", "field"),
+    [
+        ({"num_local_experts": 8, "num_experts_per_tok": 2}, "num_local_experts"),  # Mixtral
+        ({"n_routed_experts": 256, "num_experts_per_tok": 8}, "n_routed_experts"),  # DeepSeek
+        ({"num_experts": 60}, "num_experts"),  # Qwen1.5-MoE
+        ({"ffn_config": {"moe_num_experts": 16}}, "ffn_config.moe_num_experts"),  # DBRX
+        ({"is_encoder_decoder": True}, "is_encoder_decoder"),  # T5, BART
+    ],
+)
+def test_models_the_cost_model_does_not_describe_are_refused(tmp_path, extra, field):
+    """Mixtral 8x7B has 46.7B parameters; read as the dense model its keys also describe
+    it was planned as 7B, memory and all. Such configs end in one message naming the key."""
+    cfg = {
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_attention_heads": 32,
+        "num_hidden_layers": 32,
+        "num_key_value_heads": 8,
+        "vocab_size": 32000,
+        "max_position_embeddings": 32768,
+        **extra,
+    }
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    with pytest.raises(InputError) as err:
+        load_model(str(path))
+    assert err.value.field == f"{path}:{field}", err.value
+    cfg.pop(next(iter(extra)))
+    path.write_text(json.dumps(cfg))
+    assert load_model(str(path)).family == "llama"  # the same shape without them reads
+
+
+def test_a_nested_multimodal_config_points_to_its_text_config(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"model_type": "llava", "text_config": {"hidden_size": 4096}}))
+    with pytest.raises(InputError) as err:
+        load_model(str(path))
+    assert err.value.field == f"{path}:text_config" and "config.json" in err.value.reason

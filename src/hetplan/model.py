@@ -265,7 +265,9 @@ def _require_int(cfg: dict[str, Any], key: str, path: str) -> int:
 
 
 def model_from_hf_config(path: Path) -> ModelSpec:
-    """Returns the ModelSpec of a Hugging Face ``config.json`` (Llama/Mistral or GPT-2 keys)."""
+    """Returns the ModelSpec of a Hugging Face ``config.json`` (Llama/Mistral or GPT-2 keys;
+    GPT-NeoX, Phi and StarCoder2 read with Llama's keys as GPT's layer); refuses mixtures
+    of experts, encoder-decoders and nested multimodal configs."""
     try:
         cfg = json.loads(path.read_text())
     except OSError as exc:
@@ -277,6 +279,7 @@ def model_from_hf_config(path: Path) -> ModelSpec:
     if not isinstance(cfg, dict):
         raise InputError("--model", f"{path} must hold a JSON object")
     name = path.parent.name or path.stem
+    _refuse_unmodelled(cfg, str(path))
     if "n_embd" in cfg:
         hidden = _require_int(cfg, "n_embd", str(path))
         act = str(cfg.get("activation_function", "gelu_new"))
@@ -297,6 +300,24 @@ def model_from_hf_config(path: Path) -> ModelSpec:
             uses_dropout=_dropout(cfg, ("resid_pdrop", "embd_pdrop", "attn_pdrop")),
         )
     heads = _require_int(cfg, "num_attention_heads", str(path))
+    if cfg.get("model_type") in PLAIN_MLP_TYPES:  # LayerNorm, biases, a GeLU MLP of two
+        act = str(cfg.get("hidden_act", "gelu"))
+        if not (act.startswith("gelu") or act == "relu"):
+            raise InputError(f"{path}:hidden_act", f"{shown(act)} is not a GeLU or relu")
+        return ModelSpec(
+            name=name,
+            family="gpt",
+            layers=_require_int(cfg, "num_hidden_layers", str(path)),
+            hidden=_require_int(cfg, "hidden_size", str(path)),
+            heads=heads,
+            kv_heads=cfg.get("num_key_value_heads") or heads,
+            ffn=_require_int(cfg, "intermediate_size", str(path)),
+            vocab=_require_int(cfg, "vocab_size", str(path)),
+            seq=_require_int(cfg, "max_position_embeddings", str(path)),
+            tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            activation="relu" if act == "relu" else "gelu",
+            uses_dropout=_dropout(cfg, ("attention_dropout", "hidden_dropout", "resid_pdrop")),
+        )
     return ModelSpec(
         name=name,
         family="llama",
@@ -310,6 +331,46 @@ def model_from_hf_config(path: Path) -> ModelSpec:
         tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         uses_dropout=_dropout(cfg, ("attention_dropout", "hidden_dropout")),
     )
+
+
+PLAIN_MLP_TYPES = ("gpt_neox", "phi", "starcoder2")
+"""Hugging Face ``model_type``s with Llama's key names but GPT's layer: LayerNorm, biases and
+an ungated MLP of two matrices (read as Llama's gated three, GPT-NeoX-20B would count 26.6B
+parameters instead of its 20.6B)."""
+
+EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
+"""Config keys that give a mixture-of-experts layer's expert count (Mixtral, Qwen-MoE and
+OLMoE, DeepSeek, DBRX's ``ffn_config``)."""
+
+
+def _refuse_unmodelled(cfg: dict[str, Any], path: str) -> None:
+    """Raises where the config describes a model the cost model does not: experts in its
+    layers (planned as a dense model they would lose most of their parameters), an encoder
+    and a decoder, or a multimodal model whose language part is nested."""
+    for where, block in (("", cfg), ("ffn_config.", cfg.get("ffn_config"))):
+        if not isinstance(block, dict):
+            continue
+        for key in EXPERT_KEYS:
+            value = block.get(key)
+            if isinstance(value, int) and not isinstance(value, bool) and value > 1:
+                raise InputError(
+                    f"{path}:{where}{key}",
+                    f"{value} experts per layer: mixture-of-experts models are not modelled "
+                    f"(dense decoder-only transformers are; as dense, its experts' parameters "
+                    f"would be left out)",
+                )
+    if cfg.get("is_encoder_decoder") or "num_decoder_layers" in cfg:
+        key = "is_encoder_decoder" if "is_encoder_decoder" in cfg else "num_decoder_layers"
+        raise InputError(
+            f"{path}:{key}",
+            "an encoder-decoder model: not modelled (decoder-only transformers are)",
+        )
+    if isinstance(cfg.get("text_config"), dict) and "num_attention_heads" not in cfg:
+        raise InputError(
+            f"{path}:text_config",
+            "a multimodal model's config: save its text_config as a config.json of its own "
+            "to plan the language model (its other towers are not modelled)",
+        )
 
 
 def _dropout(cfg: dict[str, Any], keys: tuple[str, ...]) -> bool | None:
