@@ -365,3 +365,23 @@ def test_calibration_summary_reads_as_sentences():
         "cold leave-one-out over 2 runs: mean error 0.8%, worst 0.9%; rank correlation n/a "
         "(fewer than 3 runs); first pick: no group of comparable runs"
     )
+
+
+def test_predict_fills_the_one_degree_left_out():
+    """On 32 GPUs, --tp 8 --pp 4 is DP 1 and --pp 2 --dp 8 is TP 2 (micro-batch 1 unless
+    given): the same predictions as the degrees written out; two left out, or a pair that
+    does not divide the GPUs, is refused naming the option that is missing."""
+    base = ("predict", "-m", "gpt3-1.3b", "-c", "A100-80GB:4x8", "--json")
+    for short, full in (
+        (("--tp", "8", "--pp", "4"), ("--tp", "8", "--pp", "4", "--dp", "1")),
+        (("--pp", "2", "--dp", "8"), ("--tp", "2", "--pp", "2", "--dp", "8")),
+    ):
+        a, b = run(*base, *short), run(*base, *full, "--micro-batch-size", "1")
+        assert a.returncode == 0 and b.returncode == 0, a.stderr + b.stderr
+        ja, jb = json.loads(a.stdout), json.loads(b.stdout)
+        assert ja["degrees"] == jb["degrees"]
+        assert ja["iteration_time_s"] == jb["iteration_time_s"]
+    two = run(*base, "--tp", "2")
+    assert two.returncode == 2 and two.stderr.startswith("error: --pp: required without --plan")
+    odd = run(*base, "--tp", "3", "--pp", "1")
+    assert odd.returncode == 2 and "does not divide the 32 GPUs" in odd.stderr, odd.stderr

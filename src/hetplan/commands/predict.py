@@ -4,6 +4,7 @@ from --tp/--pp/--dp (optionally with an uneven --layout)."""
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Annotated, Any
 
 import typer
@@ -55,10 +56,18 @@ def predict(
     ] = None,
     pp: Annotated[int | None, typer.Option("--pp", help="Pipeline stages (without --plan)")] = None,
     dp: Annotated[
-        int | None, typer.Option("--dp", help="Data-parallel replicas (without --plan)")
+        int | None,
+        typer.Option(
+            "--dp",
+            help="Data-parallel replicas (without --plan; one of --tp, --pp, --dp left out "
+            "fills the cluster)",
+        ),
     ] = None,
     micro_batch_size: Annotated[
-        int | None, typer.Option("--micro-batch-size", help="Sequences per micro-batch")
+        int | None,
+        typer.Option(
+            "--micro-batch-size", help="Sequences per micro-batch (without --plan: default 1)"
+        ),
     ] = None,
     global_batch_size: BatchOpt = None,
     recompute: Annotated[
@@ -159,20 +168,8 @@ def predict(
         if knobs:  # validate_plan (in estimate) checks the values
             the_plan = dataclasses.replace(the_plan, **knobs)
     else:
-        missing = [
-            n
-            for n, v in (
-                ("--tp", tp),
-                ("--pp", pp),
-                ("--dp", dp),
-                ("--micro-batch-size", micro_batch_size),
-            )
-            if v is None
-        ]
-        if missing:
-            raise InputError(missing[0], "required without --plan")
-        assert tp is not None and pp is not None and dp is not None
-        assert micro_batch_size is not None
+        tp, pp, dp = _fill_degree(tp, pp, dp, cl.num_gpus)
+        micro_batch_size = 1 if micro_batch_size is None else micro_batch_size
         for name, value in (
             ("--tp", tp),
             ("--pp", pp),
@@ -217,6 +214,32 @@ def predict(
         print_warnings(est.warnings)
         out.print(breakdown_table(est))
     est.require_fit(named if plan_path is not None else "plan")
+
+
+def _fill_degree(tp: int | None, pp: int | None, dp: int | None, gpus: int) -> tuple[int, int, int]:
+    """Returns the three degrees of a plan given by options: one left out fills the
+    cluster's ``gpus`` with the other two (``--tp 8 --pp 4`` on 32 GPUs: DP 1)."""
+    given = {"--tp": tp, "--pp": pp, "--dp": dp}
+    missing = [name for name, v in given.items() if v is None]
+    if not missing:
+        return tp, pp, dp  # type: ignore[return-value]
+    if len(missing) > 1:
+        raise InputError(
+            missing[0],
+            "required without --plan (give two of --tp, --pp and --dp; the third "
+            "fills the cluster)",
+        )
+    for name, value in given.items():
+        if value is not None and value <= 0:
+            raise InputError(name, "must be positive")
+    others = math.prod(v for v in given.values() if v is not None)
+    if gpus % others:
+        shown_ = " x ".join(f"{n} {v}" for n, v in given.items() if v is not None)
+        raise InputError(
+            missing[0], f"required here: {shown_} = {others} does not divide the {gpus} GPUs"
+        )
+    fill = {**given, missing[0]: gpus // others}
+    return fill["--tp"], fill["--pp"], fill["--dp"]  # type: ignore[return-value]
 
 
 def _with_layout(plan: Plan, text: str, layers: int, virtual_stages: int | None) -> Plan:
