@@ -3,6 +3,8 @@
 import subprocess
 import sys
 
+import pytest
+
 from hetplan.errors import InputError, shown
 
 
@@ -164,3 +166,35 @@ def test_a_cluster_no_layout_can_use_says_why_and_how_many():
     assert isinstance(prime.exception, InputError)
     assert "1,009 GPUs do not factor" in prime.exception.reason
     assert "--max-gpus" in prime.exception.reason
+
+
+@pytest.mark.parametrize(
+    ("change", "column", "words"),
+    [
+        (("A100-80GB", "Z100"), "gpu", "unknown GPU type 'Z100'"),
+        (
+            (",2,1,4,", ",2,1,8,"),
+            "dp",
+            "tp x pp x dp = 16, but the run's nodes x gpus_per_node = 8",
+        ),
+        (("1024,16,", "1024,15,"), "heads", "15 heads do not divide hidden 1024"),
+        ((",64,1.5", ",64,1.5,x"), "zero_stage", "expected a whole number, got 'x'"),
+    ],
+)
+def test_a_generic_runs_row_error_names_its_column_and_line(tmp_path, change, column, words):
+    """A row's values checked as a cluster or a model were named as those (nodes[0].gpu,
+    model.heads) without the file and line; a tp x pp x dp beyond the row's GPUs read 'no
+    plan fits'; a bad zero_stage was a traceback."""
+    from hetplan.cost.runs import load_runs
+
+    head = ("label,layers,hidden,heads,ffn,vocab,seq,gpu,nodes,gpus_per_node,tp,pp,dp,"
+            "global_batch,iter_time_s")  # fmt: skip
+    row = "x,24,1024,16,4096,50000,2048,A100-80GB,1,8,2,1,4,64,1.5"
+    if column == "zero_stage":
+        head += ",zero_stage"
+    runs = tmp_path / "r.csv"
+    runs.write_text(f"{head}\n{row.replace(*change)}\n")
+    with pytest.raises(InputError) as err:
+        load_runs(runs)
+    assert err.value.field == column, err.value
+    assert err.value.reason.startswith("r.csv line 2: ") and words in err.value.reason, err.value

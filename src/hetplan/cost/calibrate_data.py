@@ -34,7 +34,9 @@ def resolve(run: Run, params: CostParams) -> Run:
                                params=params, space=space,
                                flash_attention=k.flash_attention)  # fmt: skip
     if not found.ranked:
-        raise InputError("tp", f"{run.label}: no plan with tp={k.tp} pp={k.pp} dp={k.dp} fits")
+        raise InputError(
+            "tp", f"{run.label}: no plan with tp={k.tp} pp={k.pp} dp={k.dp} fits in memory"
+        )
     return replace(run, plan=found.ranked[0][0], knobs=None)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from itertools import pairwise
 from pathlib import Path
@@ -95,6 +96,13 @@ class _Row:
         if value <= 0:
             raise InputError(column, f"{self.where}: must be positive, got {value}")
         return value
+
+    def count(self, column: str, default: int) -> int:
+        """Returns a column's integer that may be 0 (a ZeRO stage), ``default`` if blank."""
+        raw = self.text(column, str(default))
+        if not raw.isdigit():
+            raise InputError(column, f"{self.where}: expected a whole number, got {shown(raw)}")
+        return int(raw)
 
     def number(self, column: str, required: bool = True) -> float | None:
         raw = (self.data.get(column) or "").strip()
@@ -235,8 +243,14 @@ def _generic_run(row: _Row, source: str) -> Run:
     net = row.data.get("network_gbit_s", "").strip()
     cluster = _cluster(row.text("gpu"), row.integer("nodes"), row.integer("gpus_per_node"),
                        f"{net} Gbit/s" if net else None)  # fmt: skip
-    zero = int(row.text("zero_stage", "0"))
+    zero = row.count("zero_stage", 0)
     tp, pp, dp = row.integer("tp"), row.integer("pp"), row.integer("dp")
+    if tp * pp * dp != cluster.num_gpus:
+        raise InputError(
+            "dp",
+            f"{row.where}: tp x pp x dp = {tp * pp * dp}, but the run's nodes x "
+            f"gpus_per_node = {cluster.num_gpus} (a run uses all its GPUs)",
+        )
     precision, recompute = row.text("precision", "bf16"), row.text("recompute", "none")
     flash, sp = row.flag("flash_attention", True), row.flag("sequence_parallel", False)
     schedule = (row.data.get("schedule") or "").strip()
@@ -351,6 +365,27 @@ def _manifest_runs(path: Path) -> list[Run]:
     return out
 
 
+_ROW_COLUMNS = {
+    "nodes[0].gpu": "gpu",
+    "nodes[0].count": "nodes",
+    "nodes[0].gpus": "gpus_per_node",
+    "nodes[0].network_bandwidth": "network_gbit_s",
+}
+"""The cluster-file fields a row's columns become, back to the columns."""
+
+
+def _parsed(parse: Callable[[_Row, str], Run], row: _Row, source: str) -> Run:
+    """Returns ``parse(row)``; an error raised where the row's values were checked as a
+    model, a cluster or a plan (fields such as ``model.heads``) names the column and line."""
+    try:
+        return parse(row, source)
+    except InputError as exc:
+        if row.where in exc.reason:
+            raise
+        column = _ROW_COLUMNS.get(exc.field, exc.field.removeprefix("model."))
+        raise InputError(column, f"{row.where}: {exc.reason}") from None
+
+
 def load_runs(path: Path) -> list[Run]:
     """Returns the runs of a file: a CSV in any of the formats of the module doc (Megatron,
     AMP, Sailor's measured plans, generic), or a YAML/JSON manifest of plan files."""
@@ -376,7 +411,8 @@ def load_runs(path: Path) -> list[Run]:
         if missing:
             raise InputError(missing[0], f"{path.name}: missing column (generic format)")
         parse = _generic_run
-    runs = [parse(_Row(r, f"{path.name} line {i + 2}"), path.name) for i, r in enumerate(reader)]
+    runs = [_parsed(parse, _Row(r, f"{path.name} line {i + 2}"), path.name)
+            for i, r in enumerate(reader)]  # fmt: skip
     if not runs:
         raise InputError("--runs", f"{path} has no rows")
     return runs
