@@ -210,8 +210,12 @@ def market_from_dict(data: Any) -> Market:
             )
         )
     names = [o.name for o in offers]
-    if len(set(names)) != len(names):
-        raise InputError("offers", "offer names must be unique")
+    for i, name in enumerate(names):
+        if name in names[:i]:
+            raise InputError(
+                f"offers[{i}].name",
+                f"{shown(name)} is also offers[{names.index(name)}]'s name: names are unique",
+            )
     return Market(tuple(offers), str(data.get("source", "")))
 
 

@@ -97,6 +97,10 @@ def test_default_market_and_errors():
         )
     with pytest.raises(InputError, match="offers"):
         market_from_dict({"nodes": []})
+    offer = {"name": "a", "gpu": "T4", "max_nodes": 1, "on_demand_usd_per_gpu_hour": 1}
+    with pytest.raises(InputError) as info:
+        market_from_dict({"offers": [offer, {**offer, "name": "b"}, offer]})
+    assert info.value.field == "offers[2].name" and "offers[0]'s name" in info.value.reason
 
 
 @pytest.mark.parametrize(
