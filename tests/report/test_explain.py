@@ -71,3 +71,26 @@ def test_provisioning_json_writes_repeated_pipelines_once():
     written = point_json(point)["plan"]
     assert len(written["pipelines"]) == 1 and written["pipelines"][0]["count"] == 32
     assert plan_from_dict(written, cluster) == plan
+
+
+def test_the_bottleneck_table_adds_up_to_the_iteration():
+    """Its rows were every breakdown key, raw, so a reader adding them counted the total
+    gradient sync and the per-micro-batch send twice. Now the summed rows come first and
+    their sum row is the estimate's iteration; the parts inside them follow, marked."""
+    from rich.console import Console
+
+    cluster, plan = _plan()
+    ex = explain(plan, TINY, cluster)
+    table = explain_table(ex)[2]
+    con = Console(width=200, record=True)
+    con.print(table)
+    lines = con.export_text().splitlines()
+    rows = [ln.strip("│ ").split("│") for ln in lines if ln.startswith("│")]
+    rows = [(a.strip(), float(b)) for a, b in rows]
+    names = [n for n, _ in rows]
+    cut = names.index("iteration (the sum)")
+    assert abs(sum(v for _, v in rows[:cut]) - rows[cut][1]) < 1e-3 * cut
+    assert abs(rows[cut][1] - ex["iteration_time_s"]) < 1e-4
+    assert all("inside the above" in n or "not in the sum" in n for n in names[cut + 1 :])
+    assert "data parallel sync total (inside the above)" in names
+    assert not any("_" in n for n in names)

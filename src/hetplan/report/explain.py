@@ -8,9 +8,11 @@ from rich.table import Table
 
 from hetplan.cluster import Cluster
 from hetplan.cost.estimate import estimate
+from hetplan.cost.estimate_result import ITERATION_TERMS
 from hetplan.cost.params import CostParams, default_params
 from hetplan.model import ModelSpec
 from hetplan.plan import Plan
+from hetplan.report.table import term_label
 
 
 def explain(
@@ -171,9 +173,19 @@ def explain_table(explanation: dict[str, Any]) -> list[Table]:
     bott = Table(title=f"Bottleneck: {crit['description']}")
     bott.add_column("term")
     bott.add_column("seconds", justify="right")
-    for key, value in crit["breakdown"].items():
-        bott.add_row(key, f"{value:.4f}")
-    bott.add_row("replica spread (fastest replica idles)", f"{crit['replica_spread_s']:.4f}")
+    terms = crit["breakdown"]
+    for key in ITERATION_TERMS:  # these add up to the iteration
+        bott.add_row(term_label(key), f"{terms[key]:.4f}")
+    total = sum(terms[key] for key in ITERATION_TERMS)
+    bott.add_row("iteration (the sum)", f"{total:.4f}", style="bold")
+    for key, value in terms.items():  # parts of the terms above, shown apart
+        if key not in ITERATION_TERMS:
+            bott.add_row(f"{term_label(key)} (inside the above)", f"{value:.4f}", style="dim")
+    bott.add_row(
+        "replica spread (how long the fastest replica idles; not in the sum)",
+        f"{crit['replica_spread_s']:.4f}",
+        style="dim",
+    )
     return [stages, reps, bott]
 
 

@@ -104,6 +104,12 @@ def plans_table(ranked: list[tuple[Plan, Estimate]], title: str) -> Table:
     return table
 
 
+def term_label(key: str) -> str:
+    """Returns a breakdown key as a table shows it: ``pipeline_send_s_per_micro_batch`` is
+    'pipeline send per micro batch'."""
+    return key.removesuffix("_s").replace("_s_", "_").replace("_", " ")
+
+
 def breakdown_table(est: Estimate) -> Table:
     """Returns the iteration-time breakdown of the critical stage; the caption names it,
     where its compute times came from and the peak they are measured against."""
@@ -132,7 +138,7 @@ def breakdown_table(est: Estimate) -> Table:
     for key in ITERATION_TERMS:
         value = est.breakdown[key]
         table.add_row(
-            key.removesuffix("_s").replace("_", " "),
+            term_label(key),
             f"{value:.4f}",
             f"{value / est.iteration_time_s:.1%}",
         )
