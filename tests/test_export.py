@@ -125,3 +125,19 @@ def test_export_refuses_a_plan_whose_layers_are_not_the_models(tmp_path):
     want = "error: pipelines[0].stages: layers sum to 30, but gpt3-6.7b has 32"
     assert res.stderr.strip() == want
     assert not out.exists()
+
+
+def test_megatron_groups_micro_batches_as_the_plan_was_costed():
+    """gpt3-1.3b on 32 GPUs, PP 4 x DP 8, interleaved in 2 chunks: a batch of 80 is 10
+    micro-batches per replica, run in 2 groups of 5 (Megatron-Core's default group is the
+    4 stages, which 10 does not fill); a batch of 64 (8 each) keeps the default, unwritten."""
+    model = load_model("gpt3-1.3b")
+    cl = parse_inline_cluster("A100-80GB:4x8")
+
+    def args(batch: int) -> list[str]:
+        plan = uniform_plan(cl, model.layers, 1, 4, 8, 1, batch, schedule="Interleaved1F1B",
+                            virtual_stages=2)  # fmt: skip
+        return megatron_args(plan, model)
+
+    assert "--microbatch-group-size-per-virtual-pipeline-stage=5" in args(80)
+    assert not any("microbatch-group-size" in a for a in args(64))

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from hetplan.cluster import Cluster
+from hetplan.cost.schedule import interleave_fits
 from hetplan.errors import InputError, shown
 from hetplan.model import ModelSpec
 
@@ -366,12 +367,13 @@ def check_plan_form(plan: Plan) -> None:
             if stage.chunks is not None:
                 check_chunks(stage, plan.virtual_stages, f"pipelines[{i}].stages[{j}]")
         if plan.schedule == "Interleaved1F1B":
-            m = pipe.batch_size // plan.micro_batch_size
-            if len(pipe.stages) > 1 and m % len(pipe.stages):
+            m, p = pipe.batch_size // plan.micro_batch_size, len(pipe.stages)
+            if p > 1 and not interleave_fits(p, m):
                 raise InputError(
                     f"pipelines[{i}]",
-                    f"Interleaved1F1B needs micro-batches ({m}) divisible by stages "
-                    f"({len(pipe.stages)})",
+                    f"Interleaved1F1B runs {m} micro-batches on {p} stages only in equal "
+                    f"groups of at least {p}: at least {p} micro-batches, a multiple of "
+                    f"{m} // {p} = {max(1, m // p)}",
                 )
     seen: set[str] = set()
     for dev in plan.devices():

@@ -42,9 +42,22 @@ def _latest(root: Path) -> int:
 
 @pytest.mark.distributed
 def test_kill_a_worker_resumes_on_the_rest(elastic_inputs: dict[str, Path], tmp_path: Path) -> None:
+    # two one-stage replicas and one of two stages: losing n3 leaves n2 holding half the
+    # model, which the replan (three one-stage replicas, 3/3/2 micro-batches, faster than
+    # the two intact ones at 4/4) completes from its peers' copies
+    plan = {
+        "global_batch_size": 8, "micro_batch_size": 1, "precision": "fp32", "schedule": "1F1B",
+        "pipelines": [
+            {"batch_size": 2, "stages": [{"layers": 4, "devices": ["n0:0"]}]},
+            {"batch_size": 2, "stages": [{"layers": 4, "devices": ["n1:0"]}]},
+            {"batch_size": 4, "stages": [{"layers": 2, "devices": ["n2:0"]},
+                                         {"layers": 2, "devices": ["n3:0"]}]},
+        ],
+    }  # fmt: skip
+    (tmp_path / "plan.json").write_text(json.dumps(plan))
     local, store = tmp_path / "local", tmp_path / "store"
     cfg = RunConfig(
-        plan=str(elastic_inputs["plan"]),
+        plan=str(tmp_path / "plan.json"),
         model=str(elastic_inputs["model"]),
         cluster=str(elastic_inputs["cluster"]),
         steps=STEPS,

@@ -36,6 +36,12 @@ CASES = [
         [(8, [(2, [0]), (2, [1])])],
         {"schedule": "Interleaved1F1B", "virtual_stages": 2},
     ),
+    (
+        "Interleaved1F1B, 3 micro-batches on 2 stages (one group of 3)",
+        "llama",
+        [(6, [(2, [0]), (2, [1])])],
+        {"schedule": "Interleaved1F1B", "virtual_stages": 2},
+    ),
 ]
 
 

@@ -282,8 +282,10 @@ def homogeneous_plans(
                 schedules = []
                 if "1F1B" in knobs.schedules:
                     schedules.append(("1F1B", 1))
+                # PyTorch's ScheduleInterleaved1F1B runs m micro-batches in max(1, m // pp)
+                # rounds of equal groups, at least pp of them (its docstring's rule)
                 if ("Interleaved1F1B" in knobs.schedules and pp > 1
-                        and all(m % pp == 0 for m in counts)):  # fmt: skip
+                        and all(m >= pp and m % max(1, m // pp) == 0 for m in counts)):  # fmt: skip
                     for v in range(2, knobs.max_virtual_stages + 1):
                         if all(x % v == 0 for x in split):
                             schedules.append(("Interleaved1F1B", v))

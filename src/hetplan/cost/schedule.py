@@ -2,7 +2,9 @@
 
 Action orders follow PyTorch's schedule names: GPipe (all forwards, then all backwards),
 1F1B (warm-up forwards, one-forward-one-backward, cool-down) and Interleaved1F1B
-(Narayanan et al. 2021: ``v`` model chunks per stage, micro-batches in groups of ``p``).
+(Narayanan et al. 2021: ``v`` model chunks per stage, micro-batches in groups of ``p``;
+where p does not divide their count, in groups of ``interleave_group``, as PyTorch and
+Megatron-Core run them).
 Heterogeneous stages are simulated with their own times, never averaged.
 """
 
@@ -19,11 +21,31 @@ Action = tuple[str, int, int]
 """('F' or 'B', micro-batch, chunk)."""
 
 
-def full_warmup(schedule: str, p: int, v: int, rank: int) -> int:
+def interleave_group(p: int, m: int | None) -> int:
+    """Returns how many micro-batches an interleaved schedule of ``p`` stages runs through
+    each model chunk in turn (PyTorch's ``microbatches_per_round``, Megatron-Core's
+    ``microbatch_group_size_per_vp_stage``): ``p`` where ``p`` divides ``m`` (Narayanan et
+    al.'s schedule) or ``m`` is not given, else m over its rounds, max(1, m // p); a valid
+    count is a multiple of its rounds (``interleave_fits``)."""
+    if m is None or m % p == 0:
+        return p
+    return m // max(1, m // p)
+
+
+def interleave_fits(p: int, m: int) -> bool:
+    """Returns whether ``m`` micro-batches run interleaved on ``p`` stages: at least p (the
+    runtime's rule), in rounds of equal groups (PyTorch's ``ScheduleInterleaved1F1B`` and
+    Megatron-Core's micro-batch groups): m a multiple of m // p."""
+    return m >= p and m % (m // p) == 0
+
+
+def full_warmup(schedule: str, p: int, v: int, rank: int, m: int | None = None) -> int:
     """Returns the forwards stage ``rank`` runs before its first backward when the count of
-    micro-batches does not cap them (1F1B and interleaved; GPipe runs every forward first)."""
+    micro-batches does not cap them (1F1B and interleaved; GPipe runs every forward first).
+    Interleaved, the last stage runs v - 1 groups (``interleave_group`` of ``m``) first,
+    and each stage before it two more forwards (PyTorch's and Megatron-Core's rule)."""
     if schedule == "Interleaved1F1B" and v > 1:
-        return (p - rank - 1) * 2 + (v - 1) * p
+        return (p - rank - 1) * 2 + (v - 1) * interleave_group(p, m)
     return p - rank - 1
 
 
@@ -32,7 +54,7 @@ def warmup_forwards(schedule: str, p: int, m: int, v: int, rank: int) -> int:
     if schedule == "GPipe":
         return m * v
     cap = m * v if schedule == "Interleaved1F1B" and v > 1 else m
-    return min(full_warmup(schedule, p, v, rank), cap)
+    return min(full_warmup(schedule, p, v, rank, m), cap)
 
 
 def in_flight(schedule: str, m: int, v: int, warm: int) -> int:
@@ -50,7 +72,7 @@ def peak_in_flight(schedule: str, p: int, m: int, v: int, rank: int) -> int:
     """Returns the most chunk-micro-batches whose activations stage ``rank`` holds at once."""
     if schedule == "GPipe":
         return m * v
-    return in_flight(schedule, m, v, full_warmup(schedule, p, v, rank))
+    return in_flight(schedule, m, v, full_warmup(schedule, p, v, rank, m))
 
 
 def memory_micro_batches(schedule: str, p: int, m: int, v: int, rank: int) -> int:
@@ -59,13 +81,14 @@ def memory_micro_batches(schedule: str, p: int, m: int, v: int, rank: int) -> in
     warm-up is whole and, interleaved, the steady phase runs a full cycle of p v actions
     (after that each forward and backward pair repeats a state of the cycle: its chunk
     depends on its index modulo p v, and a full cycle adds and frees the same layers).
-    GPipe holds every micro-batch: m itself. ``tests/cost/test_schedule_memory.py`` checks
-    it against both functions."""
-    if schedule == "GPipe":
+    GPipe holds every micro-batch: m itself, as does an interleaved run whose groups are
+    not p (``interleave_group``: a shorter run would group otherwise).
+    ``tests/cost/test_schedule_memory.py`` checks it against both functions."""
+    if schedule == "GPipe" or (schedule == "Interleaved1F1B" and v > 1 and m % p):
         return m
     warm = full_warmup(schedule, p, v, rank)
-    if schedule == "Interleaved1F1B" and v > 1:
-        return min(m, -(-(warm + p * v) // v))
+    if schedule == "Interleaved1F1B" and v > 1:  # a multiple of p: its groups are p too
+        return min(m, -(-(warm + p * v) // (v * p)) * p)
     return min(m, warm + 1)
 
 
@@ -113,12 +136,13 @@ def _stage_order(schedule: str, p: int, m: int, v: int, rank: int) -> tuple[Acti
             out += [fwd[w + i], bwd[i]]
         return tuple(out + bwd[m - w :])
     total = m * v
+    g = interleave_group(p, m)  # micro-batches through each chunk in turn
 
     def f_action(k: int) -> Action:
-        return ("F", (k // (p * v)) * p + k % p, (k // p) % v)
+        return ("F", (k // (g * v)) * g + k % g, (k // g) % v)
 
     def b_action(k: int) -> Action:
-        return ("B", (k // (p * v)) * p + k % p, v - 1 - (k // p) % v)
+        return ("B", (k // (g * v)) * g + k % g, v - 1 - (k // g) % v)
 
     w = warmup_forwards(schedule, p, m, v, rank)
     out = [f_action(k) for k in range(w)]

@@ -11,6 +11,7 @@ the faster plan wins; the repair alone is what makes replanning take well under 
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
 import time
 from dataclasses import dataclass, field, replace
@@ -19,6 +20,7 @@ from hetplan.cluster import Cluster
 from hetplan.cost.estimate import estimate
 from hetplan.cost.estimate_result import Estimate
 from hetplan.cost.params import CostParams, default_params
+from hetplan.cost.schedule import interleave_fits
 from hetplan.elastic.placement import node_of
 from hetplan.errors import InputError
 from hetplan.model import ModelSpec
@@ -204,8 +206,62 @@ def _repair(
     return best[0], best[1], notes
 
 
+def _intact(
+    old: Plan, old_est: Estimate, model: ModelSpec, new: Cluster, params: CostParams
+) -> tuple[Plan, Estimate, list[str]] | None:
+    """Returns the old plan on its intact pipelines alone (every stage on surviving nodes),
+    its stages, chunks and schedule kept and the batch rebalanced over them by their rates,
+    with its estimate and notes; None where no pipeline is intact or the batch has too few
+    micro-batches for them. Interleaved, each count must run in PyTorch's and Megatron-Core's
+    equal groups (``interleave_fits``), else the plan runs 1F1B."""
+    alive = {n.name for n in new.nodes}
+    keep = [
+        (pipe, t)
+        for pipe, t in zip(old.pipelines, old_est.pipeline_times_s, strict=True)
+        if all(node_of(d) in alive for s in pipe.stages for d in s.devices)
+    ]
+    micro = old.micro_batch_size
+    if not keep or len(keep) == old.dp or len(keep) > old.global_batch_size // micro:
+        return None
+    rates = [pipe.batch_size / t for pipe, t in keep]
+    best: tuple[Plan, Estimate] | None = None
+    for _ in range(REBALANCE_ROUNDS + 1):
+        shares = split_batch(old.global_batch_size, micro, rates)
+        schedule, v = old.schedule, old.virtual_stages
+        if schedule == "Interleaved1F1B" and not all(
+            len(pipe.stages) == 1 or interleave_fits(len(pipe.stages), b // micro)
+            for (pipe, _), b in zip(keep, shares, strict=True)
+        ):
+            schedule, v = "1F1B", 1
+        plan = replace(
+            old,
+            schedule=schedule,
+            virtual_stages=v,
+            pipelines=tuple(
+                Pipeline(b, pipe.stages) for (pipe, _), b in zip(keep, shares, strict=True)
+            ),
+        )
+        est = estimate(plan, model, new, params)
+        if best is None or (est.fits, -est.iteration_time_s) > (
+            best[1].fits,
+            -best[1].iteration_time_s,
+        ):
+            best = (plan, est)
+        rates = [b / t for b, t in zip(shares, est.pipeline_times_s, strict=True)]
+    assert best is not None
+    notes = [f"kept the {len(keep)} intact pipelines of {old.dp}, their layouts unchanged"]
+    if best[0].schedule != old.schedule:
+        notes.append(f"they run {best[0].schedule}: their micro-batch counts do not interleave")
+    return best[0], best[1], notes
+
+
 def _nums(values: list[int]) -> str:
-    return ", ".join(map(str, values))
+    """Returns numbers as a list; a long one with runs of equal values as 'value (xN)' per
+    run, in order (254 batch shares read '8 (x246), 9 (x8)')."""
+    if len(values) <= 12:
+        return ", ".join(map(str, values))
+    runs = [(v, len(list(group))) for v, group in itertools.groupby(values)]
+    return ", ".join(str(v) if n == 1 else f"{v} (x{n})" for v, n in runs)
 
 
 def describe_changes(old: Plan, new: Plan, lost: list[str]) -> list[str]:
@@ -213,7 +269,10 @@ def describe_changes(old: Plan, new: Plan, lost: list[str]) -> list[str]:
     out = [f"lost nodes: {', '.join(lost)}"] if lost else []
     od, nd = set(old.devices()), set(new.devices())
     if od - nd:
-        out.append(f"devices removed: {len(od - nd)}")
+        gone = sum(node_of(d) in set(lost) for d in od - nd)
+        idle = len(od - nd) - gone
+        out.append(f"devices removed: {len(od - nd)}" + (
+            f" ({gone} on lost nodes, {idle} idle)" if idle else ""))  # fmt: skip
     if nd - od:
         out.append(f"devices added: {len(nd - od)}")
     if old.dp != new.dp:
@@ -250,6 +309,12 @@ def replan(
     old_est = estimate(old, model, cluster, params)
     plan, est, notes = _repair(old, old_est, model, cluster, new, params)
     method = "repair"
+    kept = _intact(old, old_est, model, new, params) if joined is None else None
+    if kept is not None and (kept[1].fits, -kept[1].iteration_time_s) > (
+        est.fits,
+        -est.iteration_time_s,
+    ):
+        plan, est, notes = kept
     least = est.max_memory_bytes
     if search or not est.fits:
         from hetplan.search.heterogeneous import search_heterogeneous

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from hetplan.chunk_layout import format_megatron_layout
+from hetplan.cost.schedule import interleave_group
 from hetplan.errors import InputError
 from hetplan.model import ModelSpec
 from hetplan.plan import Plan
@@ -74,6 +75,11 @@ def megatron_args(plan: Plan, model: ModelSpec) -> list[str]:
     elif len(set(layers)) > 1 or not even_chunks:
         # any other layout: Megatron-Core's layout string (virtual stages in order)
         args.append(f"--pipeline-model-parallel-layout={format_megatron_layout(chunks)}")
+    m = plan.num_micro_batches(plan.pipelines[0])
+    if v > 1 and interleave_group(pp, m) != pp:
+        # micro-batches through each chunk in groups other than the stages (Megatron-Core's
+        # default group): as the plan was costed and as PyTorch's schedule groups them
+        args.append(f"--microbatch-group-size-per-virtual-pipeline-stage={interleave_group(pp, m)}")
     if plan.schedule == "GPipe" and pp > 1:
         raise InputError("schedule", "Megatron-LM has no GPipe schedule (use 1F1B)")
     if plan.recompute == "full":

@@ -11,6 +11,7 @@ from dataclasses import dataclass, replace
 
 from hetplan.chunk_layout import lightened_chunks
 from hetplan.cluster import Cluster
+from hetplan.cost.schedule import interleave_fits
 from hetplan.cost.sharding import dominated_by_zero1
 from hetplan.model import ModelSpec
 from hetplan.plan import Pipeline, Plan, Stage
@@ -140,7 +141,7 @@ def enumerate_candidates(
                 counts = {q, q + 1} if r else {q}
                 schedules: list[tuple[str, int]] = [("1F1B", 1)]
                 if (pp > 1 and "Interleaved1F1B" in space.schedules
-                        and all(m % pp == 0 for m in counts)):  # fmt: skip
+                        and all(interleave_fits(pp, m) for m in counts)):  # fmt: skip
                     min_layers = model.layers // pp
                     top_v = max(space.virtual_stages or (space.max_virtual_stages,))
                     splits = set(even_layer_split(model.layers, pp))

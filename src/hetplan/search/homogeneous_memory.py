@@ -6,6 +6,7 @@ type share; ``homogeneous_scoring`` adds the time bounds."""
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from functools import cache
 
@@ -23,7 +24,7 @@ from hetplan.cost.sharding import deferred
 from hetplan.model import ModelSpec
 from hetplan.plan import element_bytes
 from hetplan.search.homogeneous_candidates import Candidate, SearchSpace, most_micro_batches
-from hetplan.search.layout import even_layer_split
+from hetplan.search.layout import even_layer_split, share_counts
 
 
 @cache
@@ -124,14 +125,17 @@ class MemoryScorer:
         micro-batches per replica)."""
         precision, memo = self.precision, self.memo
         most = most_micro_batches(self.global_batch, c.dp, c.micro_batch)  # the busiest's
+        # interleaved in groups other than p (``interleave_group``), a replica of fewer
+        # micro-batches may hold more: every count is asked
+        flex = self.flexible_counts(c)
         worst = 0.0
         shape = None
-        for j in probe_stages(self.model.layers, c.pp):
+        for j, count in itertools.product(probe_stages(self.model.layers, c.pp), flex or (most,)):
             first, last = j == 0, j == c.pp - 1
             state = self.state_bytes(c.tp, c.pp, c.dp, c.zero_stage, j)
             # past its warm-up (and a cycle, interleaved) a stage holds no more: node counts
             # whose replicas run more micro-batches share the entry
-            m = memory_micro_batches(c.schedule, c.pp, most, c.virtual_stages, j)
+            m = memory_micro_batches(c.schedule, c.pp, count, c.virtual_stages, j)
             akey = (c.tp, c.pp, c.micro_batch, c.recompute, c.sequence_parallel, c.schedule,
                     c.virtual_stages, c.lightened, m, j, precision, self.flash)  # fmt: skip
             acts = memo.acts.get(akey)
@@ -176,13 +180,25 @@ class MemoryScorer:
         peak = self.peak_bytes(c)
         return self._record(c, limit, peak <= limit), peak
 
+    def flexible_counts(self, c: Candidate) -> tuple[int, ...] | None:
+        """Returns the replicas' micro-batch counts where the candidate interleaves some of
+        them in groups other than its stages (``interleave_group``: a count p does not
+        divide), else None."""
+        if c.schedule != "Interleaved1F1B" or c.virtual_stages < 2:
+            return None
+        q, r = share_counts(self.global_batch, c.dp, c.micro_batch)
+        counts = (q, q + 1) if r else (q,)
+        return counts if any(m % c.pp for m in counts) else None
+
     def _fit_key(self, c: Candidate, limit: float) -> tuple[object, ...]:
         # deferred ZeRO-2/3 holds more than the same stage run per micro-batch, and ZeRO-3
-        # defers only at DP degrees the batch does not divide: each kind orders on its own
+        # defers only at DP degrees the batch does not divide: each kind orders on its own.
+        # Interleaved in groups other than p, fewer micro-batches may hold more (a longer
+        # group): the DP order holds only among equal counts
         return (c.tp, c.pp, c.micro_batch, c.recompute, c.zero_stage, c.schedule,
                 c.virtual_stages, c.sequence_parallel, c.lightened, self.global_batch,
                 self.precision, self.flash, limit,
-                self.deferred(c.pp, c.dp, c.zero_stage))  # fmt: skip
+                self.deferred(c.pp, c.dp, c.zero_stage), self.flexible_counts(c))  # fmt: skip
 
     def _known_fit(self, c: Candidate, limit: float) -> bool | None:
         seen = self.memo.fit_dp.get(self._fit_key(c, limit))
