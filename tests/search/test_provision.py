@@ -424,6 +424,18 @@ def test_messages_name_gpus_mark_missed_limits_and_label_mixed_plans():
     sym = Plan(16, 4, tuple(Pipeline(8, (Stage(24, (f"{t}:{2 * i}", f"{t}:{2 * i + 1}")),))
                             for i in range(2)))  # fmt: skip
     assert plan_label(sym, cluster) == "tp2 pp1 dp2 mb4 none z0, 2 GPUs idle"
+    # one GPU type, one shape, uneven batch shares (3 replicas, 16 sequences): the degrees
+    # and the shares (it read '3 pipelines of 2 stages; T4: 6 GPUs, tp1, 6 stages; ...')
+    t6 = parse_inline_cluster("T4:1x6")
+    (n,) = (x.name for x in t6.nodes)
+    uneven = Plan(16, 2, tuple(
+        Pipeline(b, (Stage(12, (f"{n}:{2 * i}",)), Stage(12, (f"{n}:{2 * i + 1}",))))
+        for i, b in enumerate((6, 6, 4))))  # fmt: skip
+    assert plan_label(uneven, t6) == "tp1 pp2 dp3 (batch shares 4-6) mb2 none z0"
+    split = Plan(16, 2, (
+        Pipeline(8, (Stage(12, (f"{n}:0",)), Stage(12, (f"{n}:1",)))),
+        Pipeline(8, (Stage(10, (f"{n}:2",)), Stage(14, (f"{n}:3",))))))  # fmt: skip
+    assert plan_label(split, t6) == "tp1 pp2 dp2 (layer splits differ) mb2 none z0, 2 GPUs idle"
 
 
 def test_cli_time_limit_reports_the_mixes_left(tmp_path):

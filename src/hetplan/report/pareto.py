@@ -89,8 +89,16 @@ def plan_label(plan: Plan, cluster: Cluster | None) -> str:
     if cluster is not None and cluster.num_gpus > used:
         knobs += f", {cluster.num_gpus - used} GPUs idle"
     first = plan.pipelines[0]
-    if len(per) == 1 and plan.is_uniform() and len({s.tp for s in first.stages}) == 1:
-        return f"tp{first.stages[0].tp} pp{len(first.stages)} dp{plan.dp} {knobs}"
+    tps = {s.tp for p in plan.pipelines for s in p.stages}
+    if len(per) == 1 and len(tps) == 1 and len({len(p.stages) for p in plan.pipelines}) == 1:
+        # one GPU type, one shape: the degrees, and what differs between the replicas
+        label = f"tp{first.stages[0].tp} pp{len(first.stages)} dp{plan.dp}"
+        shares = [p.batch_size for p in plan.pipelines]
+        if len(set(shares)) > 1:
+            label += f" (batch shares {_degrees(set(shares))})"
+        if len({tuple(s.layers for s in p.stages) for p in plan.pipelines}) > 1:
+            label += " (layer splits differ)"
+        return f"{label} {knobs}"
     depth = _degrees({len(p.stages) for p in plan.pipelines})
     parts = [
         f"{gpu}: {n} GPUs, tp{_degrees(tps)}, {stages} stage{'s' if stages > 1 else ''}"
