@@ -566,10 +566,14 @@ def _het_variants(
     sps = (any_tp,) if knobs.sequence_parallel is None else knobs.sequence_parallel
     schedules = [("1F1B", 1)]
     for v in range(2, knobs.max_virtual_stages + 1):
-        # every stage's layers split into v chunks; pipelined ones run a multiple of their
-        # stages in micro-batches (validate_plan's rules, checked here to save work)
+        # every stage's layers split into v chunks; pipelined ones run their m micro-batches
+        # in PyTorch's equal groups: m >= p and m a multiple of max(1, m // p) (the
+        # ScheduleInterleaved1F1B docstring's rule, checked here to save work)
+        def groups(m: int, p: int) -> bool:
+            return m >= p and m % max(1, m // p) == 0
+
         if all(
-            s.layers % v == 0 and (len(p.stages) == 1 or (p.batch_size // mb) % len(p.stages) == 0)
+            s.layers % v == 0 and (len(p.stages) == 1 or groups(p.batch_size // mb, len(p.stages)))
             for p in pipes
             for s in p.stages
         ):

@@ -13,6 +13,7 @@ from hetplan.cluster import Cluster
 from hetplan.cost.estimate import estimate
 from hetplan.cost.estimate_result import Estimate
 from hetplan.cost.params import CostParams
+from hetplan.cost.schedule import interleave_fits
 from hetplan.cost.sharding import deferred
 from hetplan.model import ModelSpec
 from hetplan.plan import Plan
@@ -190,7 +191,8 @@ class CandidatePool:
         if plan.schedule == "1F1B":
             for _, v in self.schedules_allowed(schedule_options(self.model.layers)[1:]):
                 if all(
-                    all(n % v == 0 for n in layers) and (len(layers) == 1 or m % len(layers) == 0)
+                    all(n % v == 0 for n in layers)
+                    and (len(layers) == 1 or interleave_fits(len(layers), m))
                     for layers, m in shapes
                 ):
                     forms.append(replace(plan, schedule="Interleaved1F1B", virtual_stages=v))
