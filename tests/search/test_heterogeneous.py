@@ -152,3 +152,22 @@ def test_mixed64_search_beats_identical_eight_stage_pipelines():
     assert rated.fits
     res = search_heterogeneous(model, cluster, 1024, "fp16", top_k=1)
     assert res.ranked[0][1].iteration_time_s <= rated.iteration_time_s * (1 + 1e-9)
+
+
+def test_mixed_plans_interleave_counts_the_stages_do_not_divide():
+    """GPT-3 13B on 16 A100 + 32 V100, batch 128, fp16: the first plan runs 8 micro-batches on 3
+    stages interleaved, in PyTorch's 2 groups of 4 (a multiple of the stages was required
+    before), and beats the best plan the same search finds under 1F1B alone."""
+    from hetplan.search.constraints import PlanConstraints
+
+    model = load_model("gpt3-13b")
+    cluster = parse_inline_cluster("A100-80GB:2x8,V100-32GB:4x8")
+    res = search_heterogeneous(model, cluster, 128, "fp16", top_k=1)
+    plan, est = res.ranked[0]
+    validate_plan(plan, model, cluster)
+    assert plan.schedule == "Interleaved1F1B" and plan.virtual_stages > 1
+    counts = {(len(p.stages), plan.num_micro_batches(p)) for p in plan.pipelines}
+    assert any(m % p for p, m in counts), counts
+    plain = search_heterogeneous(model, cluster, 128, "fp16", top_k=1,
+                                 constraints=PlanConstraints(schedule=("1F1B",)))  # fmt: skip
+    assert est.iteration_time_s < plain.ranked[0][1].iteration_time_s
