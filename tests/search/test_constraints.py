@@ -248,6 +248,11 @@ def test_impossible_pipeline_and_replica_counts_say_why():
          "on 32 GPUs; without it"),
         (["--dp", "64"], "error: --dp: no plan satisfies --dp 64 with the other constraints: "
          "every replica needs a GPU, and there are 32 GPUs; without it"),
+        # gpt3-6.7b's batch is 1024 sequences: neither 3 nor 5 divides it
+        (["--micro-batch-size", "3,5"], "error: --micro-batch-size: no plan satisfies "
+         "--micro-batch-size 3,5 with the other constraints: every replica runs whole "
+         "micro-batches and the replicas' shares add up to the batch of 1024 sequences, which "
+         "3 or 5 does not divide; without it"),
     ):  # fmt: skip
         res = subprocess.run([*base, *extra], capture_output=True, text=True, timeout=120)
         assert res.returncode == 2 and res.stderr.startswith(expected), res.stderr

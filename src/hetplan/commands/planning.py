@@ -143,7 +143,7 @@ def plan(
     elapsed = time.perf_counter() - start
     if not ranked:
         if limits.active:
-            field, reason = _infeasible(search, limits, spec, limits.apply_to_cluster(whole))
+            field, reason = _infeasible(search, limits, spec, limits.apply_to_cluster(whole), batch)
             raise InputError(field, reason)
         raise InputError("plan", no_fit)
     ranked = [(dataclasses.replace(p, model=spec), e) for p, e in ranked]  # files state it
@@ -226,14 +226,17 @@ def _plan_search(
     return run
 
 
-def _infeasible(search: Any, limits: Any, spec: ModelSpec, cl: Cluster) -> tuple[str, str]:
+def _infeasible(
+    search: Any, limits: Any, spec: ModelSpec, cl: Cluster, batch: int
+) -> tuple[str, str]:
     """Returns (option, reason) for a constrained search that found no plan: the first
     constraint without which a plan exists (each tried alone), with why none of its tensor-
     parallel degrees can be where that is plain from the model and cluster; else all."""
     for text, option, relaxed in limits.relaxations():
         ranked = search(relaxed, 1)[0]
         if ranked:
-            why = limits.obstacle(option, spec, max(n.gpus for n in cl.nodes), cl.num_gpus)
+            why = limits.obstacle(option, spec, max(n.gpus for n in cl.nodes), cl.num_gpus,
+                                  batch)  # fmt: skip
             return option, (
                 f"no plan satisfies {text} with the other constraints"
                 + (f": {why}" if why else "")

@@ -128,13 +128,14 @@ class PlanConstraints:
         return out
 
     def obstacle(
-        self, option: str, model: ModelSpec, node_gpus: int, total_gpus: int
+        self, option: str, model: ModelSpec, node_gpus: int, total_gpus: int, batch: int = 0
     ) -> str | None:
         """Returns why no value the limit ``option`` allows can be, whatever the other
         knobs, where the model and the hardware's size alone say so (nodes of at most
         ``node_gpus`` GPUs, ``total_gpus`` in all), or None: a tensor-parallel group inside
         one node, splitting the heads, the key-value heads and the MLP evenly; a stage per
-        layer and GPU at most; a GPU per replica."""
+        layer and GPU at most; a GPU per replica; micro-batches that fill the ``batch`` (its
+        sequences; 0: not known) in whole ones."""
         if option == "--tp" and self.tp:
             reasons = []
             for t in self.tp:
@@ -154,6 +155,13 @@ class PlanConstraints:
                     f"{model.name} has {model.layers} layers on {total_gpus} GPUs")  # fmt: skip
         if option == "--dp" and self.dp and min(self.dp) > total_gpus:
             return f"every replica needs a GPU, and there are {total_gpus} GPUs"
+        sizes = self.micro_batch or ()
+        if option == "--micro-batch-size" and batch and sizes and all(batch % mb for mb in sizes):
+            return (
+                "every replica runs whole micro-batches and the replicas' shares add up to "
+                f"the batch of {batch} sequences, which {' or '.join(map(str, sizes))} does "
+                "not divide"
+            )
         return None
 
     def violation(self, plan: Plan) -> str | None:

@@ -416,8 +416,9 @@ def provision(
         given = limits.relaxations()
         node_gpus = max(o.gpus_per_node for o in offers)
         total = sum(o.gpus_per_node * o.max_nodes for o in offers)
+        batch = job.global_batch
         whys = [w for _, option, _ in given
-                if (w := limits.obstacle(option, model, node_gpus, total))]  # fmt: skip
+                if (w := limits.obstacle(option, model, node_gpus, total, batch))]  # fmt: skip
         raise InputError(", ".join(option for _, option, _ in given),
                          "no configuration of the market has a plan that satisfies "
                          + " ".join(limits.described())
