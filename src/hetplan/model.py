@@ -300,36 +300,29 @@ def model_from_hf_config(path: Path) -> ModelSpec:
             uses_dropout=_dropout(cfg, ("resid_pdrop", "embd_pdrop", "attn_pdrop")),
         )
     heads = _require_int(cfg, "num_attention_heads", str(path))
+    shape: dict[str, Any] = {
+        "name": name,
+        "layers": _require_int(cfg, "num_hidden_layers", str(path)),
+        "hidden": _require_int(cfg, "hidden_size", str(path)),
+        "heads": heads,
+        "kv_heads": cfg.get("num_key_value_heads") or heads,
+        "ffn": _require_int(cfg, "intermediate_size", str(path)),
+        "vocab": _require_int(cfg, "vocab_size", str(path)),
+        "seq": _require_int(cfg, "max_position_embeddings", str(path)),
+        "tie_embeddings": bool(cfg.get("tie_word_embeddings", False)),
+    }
     if cfg.get("model_type") in PLAIN_MLP_TYPES:  # LayerNorm, biases, a GeLU MLP of two
         act = str(cfg.get("hidden_act", "gelu"))
         if not (act.startswith("gelu") or act == "relu"):
             raise InputError(f"{path}:hidden_act", f"{shown(act)} is not a GeLU or relu")
         return ModelSpec(
-            name=name,
             family="gpt",
-            layers=_require_int(cfg, "num_hidden_layers", str(path)),
-            hidden=_require_int(cfg, "hidden_size", str(path)),
-            heads=heads,
-            kv_heads=cfg.get("num_key_value_heads") or heads,
-            ffn=_require_int(cfg, "intermediate_size", str(path)),
-            vocab=_require_int(cfg, "vocab_size", str(path)),
-            seq=_require_int(cfg, "max_position_embeddings", str(path)),
-            tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             activation="relu" if act == "relu" else "gelu",
             uses_dropout=_dropout(cfg, ("attention_dropout", "hidden_dropout", "resid_pdrop")),
+            **shape,
         )
     return ModelSpec(
-        name=name,
-        family="llama",
-        layers=_require_int(cfg, "num_hidden_layers", str(path)),
-        hidden=_require_int(cfg, "hidden_size", str(path)),
-        heads=heads,
-        kv_heads=cfg.get("num_key_value_heads") or heads,
-        ffn=_require_int(cfg, "intermediate_size", str(path)),
-        vocab=_require_int(cfg, "vocab_size", str(path)),
-        seq=_require_int(cfg, "max_position_embeddings", str(path)),
-        tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        uses_dropout=_dropout(cfg, ("attention_dropout", "hidden_dropout")),
+        family="llama", uses_dropout=_dropout(cfg, ("attention_dropout", "hidden_dropout")), **shape
     )
 
 

@@ -14,6 +14,7 @@ import heapq
 import itertools
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from hetplan.cluster import Cluster
@@ -182,21 +183,14 @@ def _repair(
         stages_of = stages_of[:max_pipes]
     rates = [1.0 / sum(s.layers for s in st) for st in stages_of]
     base = replace(old, schedule=schedule, virtual_stages=v)
-    best: tuple[Plan, Estimate] | None = None
-    for _ in range(REBALANCE_ROUNDS + 1):
-        shares = split_batch(old.global_batch_size, micro, rates)
-        plan = replace(
+
+    def shared(shares: list[int]) -> Plan:
+        return replace(
             base,
             pipelines=tuple(Pipeline(b, st) for b, st in zip(shares, stages_of, strict=True)),
         )
-        est = estimate(plan, model, new, params)
-        if best is None or (est.fits, -est.iteration_time_s) > (
-            best[1].fits,
-            -best[1].iteration_time_s,
-        ):
-            best = (plan, est)
-        rates = [b / t for b, t in zip(shares, est.pipeline_times_s, strict=True)]
-    assert best is not None
+
+    best = _rebalanced(old, rates, shared, model, new, params)
     if not best[1].fits and best[0].recompute != "full":
         plan = replace(best[0], recompute="full")
         est = estimate(plan, model, new, params)
@@ -204,6 +198,34 @@ def _repair(
             notes.append("switched to full recomputation to fit the remaining memory")
             best = (plan, est)
     return best[0], best[1], notes
+
+
+def _faster(a: Estimate, b: Estimate) -> bool:
+    """Returns whether ``a`` is the better outcome: it fits where ``b`` does not, or both
+    fit (or neither) and ``a`` is faster."""
+    return (a.fits, -a.iteration_time_s) > (b.fits, -b.iteration_time_s)
+
+
+def _rebalanced(
+    old: Plan,
+    rates: list[float],
+    shared: Callable[[list[int]], Plan],
+    model: ModelSpec,
+    new: Cluster,
+    params: CostParams,
+) -> tuple[Plan, Estimate]:
+    """Returns the best of ``REBALANCE_ROUNDS + 1`` plans ``shared(shares)`` with the batch
+    split by the pipelines' rates, the first rates given, each next from the estimate."""
+    best: tuple[Plan, Estimate] | None = None
+    for _ in range(REBALANCE_ROUNDS + 1):
+        shares = split_batch(old.global_batch_size, old.micro_batch_size, rates)
+        plan = shared(shares)
+        est = estimate(plan, model, new, params)
+        if best is None or _faster(est, best[1]):
+            best = (plan, est)
+        rates = [b / t for b, t in zip(shares, est.pipeline_times_s, strict=True)]
+    assert best is not None
+    return best
 
 
 def _intact(
@@ -223,17 +245,15 @@ def _intact(
     micro = old.micro_batch_size
     if not keep or len(keep) == old.dp or len(keep) > old.global_batch_size // micro:
         return None
-    rates = [pipe.batch_size / t for pipe, t in keep]
-    best: tuple[Plan, Estimate] | None = None
-    for _ in range(REBALANCE_ROUNDS + 1):
-        shares = split_batch(old.global_batch_size, micro, rates)
+
+    def shared(shares: list[int]) -> Plan:
         schedule, v = old.schedule, old.virtual_stages
         if schedule == "Interleaved1F1B" and not all(
             len(pipe.stages) == 1 or interleave_fits(len(pipe.stages), b // micro)
             for (pipe, _), b in zip(keep, shares, strict=True)
         ):
             schedule, v = "1F1B", 1
-        plan = replace(
+        return replace(
             old,
             schedule=schedule,
             virtual_stages=v,
@@ -241,14 +261,9 @@ def _intact(
                 Pipeline(b, pipe.stages) for (pipe, _), b in zip(keep, shares, strict=True)
             ),
         )
-        est = estimate(plan, model, new, params)
-        if best is None or (est.fits, -est.iteration_time_s) > (
-            best[1].fits,
-            -best[1].iteration_time_s,
-        ):
-            best = (plan, est)
-        rates = [b / t for b, t in zip(shares, est.pipeline_times_s, strict=True)]
-    assert best is not None
+
+    rates = [pipe.batch_size / t for pipe, t in keep]
+    best = _rebalanced(old, rates, shared, model, new, params)
     notes = [f"kept the {len(keep)} intact pipelines of {old.dp}, their layouts unchanged"]
     if best[0].schedule != old.schedule:
         notes.append(f"they run {best[0].schedule}: their micro-batch counts do not interleave")
@@ -310,10 +325,7 @@ def replan(
     plan, est, notes = _repair(old, old_est, model, cluster, new, params)
     method = "repair"
     kept = _intact(old, old_est, model, new, params) if joined is None else None
-    if kept is not None and (kept[1].fits, -kept[1].iteration_time_s) > (
-        est.fits,
-        -est.iteration_time_s,
-    ):
+    if kept is not None and _faster(kept[1], est):
         plan, est, notes = kept
     least = est.max_memory_bytes
     if search or not est.fits:
