@@ -62,3 +62,23 @@ def test_synth_writes_a_trace_simulate_reads(tmp_path):
                   "--out", str(out))  # fmt: skip
         assert bad.returncode == 2 and "--preemption-rate" in bad.stderr
     assert out.read_text() == before
+
+
+def test_simulate_without_a_pool_prices_the_built_in_market():
+    """A trace of named GPU types needs no --cluster: the built-in market (provision's
+    default) prices it, as --market with the shipped file does; both options at once are
+    refused naming --market (neither was refused before)."""
+    from importlib import resources
+
+    args = ("spot", "simulate", "--trace", "sailor_a100_v100_pools.csv", "--model", "gpt3-1.3b",
+            "--tokens", "1e9", "--json")  # fmt: skip
+    bare = run(*args)
+    assert bare.returncode == 0, bare.stderr
+    shipped = resources.files("hetplan.data").joinpath("market.yaml")
+    with resources.as_file(shipped) as path:
+        named = run(*args, "--market", str(path))
+    assert named.returncode == 0, named.stderr
+    a, b = json.loads(bare.stdout), json.loads(named.stdout)
+    assert a["policies"] == b["policies"] and a["first_tokens_per_s"] > 0
+    both = run(*args, "--market", "x.yaml", "--cluster", "A100-40GB:1x8")
+    assert both.returncode == 2 and both.stderr.startswith("error: --market: give --cluster or")

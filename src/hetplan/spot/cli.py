@@ -37,7 +37,12 @@ def simulate(
         typer.Option("--cluster", "-c", help="The largest pool the trace may reach (YAML/inline)"),
     ] = None,
     market: Annotated[
-        str | None, typer.Option("--market", help="Market YAML: node shapes, ceilings, prices")
+        str | None,
+        typer.Option(
+            "--market",
+            help="Market YAML: node shapes, ceilings, prices (default without --cluster: the "
+            "built-in market)",
+        ),
     ] = None,
     tokens: Annotated[
         str | None, typer.Option("--tokens", help="Token target, e.g. 2e9 (default: none)")
@@ -110,8 +115,8 @@ def simulate(
     from hetplan.units import parse_count, parse_duration_s
 
     require_matplotlib("--plot", plot)
-    if (cluster is None) == (market is None):
-        raise InputError("--cluster", "give exactly one of --cluster and --market")
+    if cluster is not None and market is not None:
+        raise InputError("--market", "give --cluster or --market, not both")
     search = _replan_mode(replan_mode)
     spec = load_model(model, seq_len)
     if cluster is not None:
@@ -131,7 +136,7 @@ def simulate(
         tr = load_trace(trace)
         if tr.types == [ANY_TYPE]:
             raise InputError("--trace", "it counts GPUs of no named type: use --cluster")
-        pool = pool_from_market(load_market(market), tr.types)
+        pool = pool_from_market(load_market(market), tr.types)  # None: the built-in market
         storage = storage_bandwidth_bytes_per_s("", storage_bandwidth)
     pool.check(tr.types)
     first = layout(pool, tr.points[0].counts)
