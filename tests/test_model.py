@@ -220,3 +220,27 @@ def test_a_nested_multimodal_config_points_to_its_text_config(tmp_path):
     with pytest.raises(InputError) as err:
         load_model(str(path))
     assert err.value.field == f"{path}:text_config" and "config.json" in err.value.reason
+
+
+def test_attention_wider_than_the_hidden_size_is_refused(tmp_path):
+    """Qwen3-32B: hidden 5120, 64 heads of head_dim 128, so its queries are 8,192 wide; read
+    with heads of hidden / heads = 80 its attention lost a third of its parameters and
+    FLOPs. A head_dim that agrees (Llama 3 8B: 4096 = 32 x 128) reads as before."""
+    cfg = {
+        "model_type": "qwen3",
+        "hidden_size": 5120,
+        "intermediate_size": 25600,
+        "num_attention_heads": 64,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "num_hidden_layers": 64,
+        "vocab_size": 151936,
+        "max_position_embeddings": 40960,
+    }
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    with pytest.raises(InputError) as err:
+        load_model(str(path))
+    assert err.value.field == f"{path}:head_dim" and "8,192 differs from" in err.value.reason
+    path.write_text(json.dumps({**cfg, "hidden_size": 4096, "num_attention_heads": 32}))
+    assert load_model(str(path)).head_dim == 128

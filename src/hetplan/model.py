@@ -311,6 +311,14 @@ def model_from_hf_config(path: Path) -> ModelSpec:
         "seq": _require_int(cfg, "max_position_embeddings", str(path)),
         "tie_embeddings": bool(cfg.get("tie_word_embeddings", False)),
     }
+    head_dim = cfg.get("head_dim")
+    if isinstance(head_dim, int) and head_dim * heads != shape["hidden"]:
+        raise InputError(
+            f"{path}:head_dim",
+            f"{head_dim} x {heads} heads = {head_dim * heads:,} differs from hidden_size "
+            f"{shape['hidden']:,}: attention of another width than the hidden size is not "
+            "modelled (its heads are taken as hidden_size / num_attention_heads wide)",
+        )
     if cfg.get("model_type") in PLAIN_MLP_TYPES:  # LayerNorm, biases, a GeLU MLP of two
         act = str(cfg.get("hidden_act", "gelu"))
         if not (act.startswith("gelu") or act == "relu"):
