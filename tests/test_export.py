@@ -141,3 +141,15 @@ def test_megatron_groups_micro_batches_as_the_plan_was_costed():
 
     assert "--microbatch-group-size-per-virtual-pipeline-stage=5" in args(80)
     assert not any("microbatch-group-size" in a for a in args(64))
+
+
+def test_megatron_states_heads_of_another_width():
+    """Megatron-LM takes the head width as --kv-channels (default hidden / heads)."""
+    from hetplan.model import ModelSpec
+
+    wide = ModelSpec("wide", "llama", 4, 1024, 16, 4, 2816, 32000, 2048, attn_head_dim=128)
+    cl = parse_inline_cluster("A100-80GB:1x8")
+    plan = uniform_plan(cl, wide.layers, 2, 1, 4, 1, 64)
+    assert "--kv-channels=128" in megatron_args(plan, wide)
+    plain = replace(wide, attn_head_dim=0)
+    assert not any("kv-channels" in a for a in megatron_args(plan, plain))

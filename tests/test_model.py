@@ -222,10 +222,13 @@ def test_a_nested_multimodal_config_points_to_its_text_config(tmp_path):
     assert err.value.field == f"{path}:text_config" and "config.json" in err.value.reason
 
 
-def test_attention_wider_than_the_hidden_size_is_refused(tmp_path):
-    """Qwen3-32B: hidden 5120, 64 heads of head_dim 128, so its queries are 8,192 wide; read
+def test_attention_wider_than_the_hidden_size_counts_its_published_parameters(tmp_path):
+    """Qwen3-32B: hidden 5120, 64 heads of head_dim 128, so its queries are 8,192 wide (read
     with heads of hidden / heads = 80 its attention lost a third of its parameters and
-    FLOPs. A head_dim that agrees (Llama 3 8B: 4096 = 32 x 128) reads as before."""
+    FLOPs). The Qwen3 report gives 32.8B parameters, 31.2B of them outside the embeddings;
+    by hand per layer: Q 5120 x 8192, K and V 5120 x 1024 each, O 8192 x 5120, SwiGLU
+    3 x 5120 x 25600, two norms. A head_dim that agrees (Llama 3 8B: 4096 = 32 x 128) is
+    the default width."""
     cfg = {
         "model_type": "qwen3",
         "hidden_size": 5120,
@@ -237,10 +240,21 @@ def test_attention_wider_than_the_hidden_size_is_refused(tmp_path):
         "vocab_size": 151936,
         "max_position_embeddings": 40960,
     }
-    path = tmp_path / "config.json"
+    path = tmp_path / "qwen3-32b" / "config.json"
+    path.parent.mkdir()
     path.write_text(json.dumps(cfg))
+    m = load_model(str(path))
+    assert (m.head_dim, m.q_dim, m.kv_dim) == (128, 8192, 1024)
+    by_hand = 5120 * 8192 + 2 * 5120 * 1024 + 8192 * 5120 + 3 * 5120 * 25600 + 2 * 5120
+    assert m.layer_params() == by_hand
+    assert m.layers * m.layer_params() == pytest.approx(31.2e9, rel=0.005)
+    assert m.total_params() == pytest.approx(32.8e9, rel=0.005)
+    # attention scores and values over the 8,192-wide queries: 2 x 2 x s^2 x 8192
+    assert m.layer_attention_flops() == 4.0 * m.seq**2 * 8192
+    path.write_text(json.dumps({**cfg, "hidden_size": 4096, "num_attention_heads": 32}))
+    plain = load_model(str(path))
+    assert (plain.attn_head_dim, plain.head_dim, plain.q_dim) == (0, 128, 4096)
+    path.write_text(json.dumps({**cfg, "head_dim": "wide"}))
     with pytest.raises(InputError) as err:
         load_model(str(path))
-    assert err.value.field == f"{path}:head_dim" and "8,192 differs from" in err.value.reason
-    path.write_text(json.dumps({**cfg, "hidden_size": 4096, "num_attention_heads": 32}))
-    assert load_model(str(path)).head_dim == 128
+    assert err.value.field == f"{path}:head_dim"

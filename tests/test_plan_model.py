@@ -153,3 +153,32 @@ def test_replan_states_the_model_of_the_plan_it_replaces(tmp_path):
 def test_the_plan_file_format_page_documents_the_block():
     page = (Path(__file__).parent.parent / "docs" / "plan-format.md").read_text()
     assert "`model`" in page and "`seq_len`" in page
+
+
+def test_heads_of_another_width_travel_in_the_model_block(tmp_path):
+    """A model whose heads are wider than hidden / heads writes ``head_dim`` in the plan's
+    model block, reads it back, and a --model of the default width is refused naming it
+    (the file without it stays as before: the test of the whole block above)."""
+    from hetplan.plan import check_model_shape, model_dict
+
+    cfg = {"hidden_size": 1024, "num_hidden_layers": 4, "num_attention_heads": 16,
+           "num_key_value_heads": 4, "head_dim": 128, "intermediate_size": 2816,
+           "vocab_size": 32000, "max_position_embeddings": 2048}  # fmt: skip
+    path = tmp_path / "wide" / "config.json"
+    path.parent.mkdir()
+    path.write_text(json.dumps(cfg))
+    out = tmp_path / "plan.json"
+    res = subprocess.run([sys.executable, "-m", "hetplan", "plan", "-m", str(path), "-c",
+                          "A100-80GB:1x8", "--out", str(out)],
+                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    block = json.loads(out.read_text())["model"]
+    assert block["head_dim"] == 128
+    plan = load_plan(out)
+    assert plan.model is not None and plan.model.q_dim == 2048
+    assert model_dict(plan.model) == block
+    narrow = {**cfg, "head_dim": 64}  # 64 x 16 = 1024: the default width
+    path.write_text(json.dumps(narrow))
+    with pytest.raises(InputError) as err:
+        check_model_shape(plan, load_model(str(path)))
+    assert "head_dim is 128" in str(err.value)

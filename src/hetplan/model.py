@@ -49,6 +49,9 @@ class ModelSpec:
     uses_dropout: bool | None = None
     """Whether training applies dropout (keeping its masks); None: the family's (gpt yes,
     llama no). A run with dropout probability 0 keeps none."""
+    attn_head_dim: int = 0
+    """The width of one attention head where it is not hidden / heads (Qwen3-32B: 64 heads
+    of 128 on a hidden size of 5,120; Gemma); 0: hidden / heads."""
 
     def __post_init__(self) -> None:
         for field in ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "seq"):
@@ -57,7 +60,12 @@ class ModelSpec:
                 raise InputError(
                     f"model.{field}", f"must be a positive integer, got {shown(value)}"
                 )
-        if self.hidden % self.heads:
+        if not isinstance(self.attn_head_dim, int) or self.attn_head_dim < 0:
+            raise InputError(
+                "model.attn_head_dim",
+                f"must be a positive integer, got {shown(self.attn_head_dim)}",
+            )
+        if not self.attn_head_dim and self.hidden % self.heads:
             raise InputError(
                 "model.heads", f"{self.heads} heads do not divide hidden {self.hidden}"
             )
@@ -73,7 +81,13 @@ class ModelSpec:
     @property
     def head_dim(self) -> int:
         """Returns the width of one attention head."""
-        return self.hidden // self.heads
+        return self.attn_head_dim or self.hidden // self.heads
+
+    @property
+    def q_dim(self) -> int:
+        """Returns the total width of the query projection (and of the output projection's
+        input): the hidden size unless the heads are of another width."""
+        return self.heads * self.head_dim
 
     @property
     def kv_dim(self) -> int:
@@ -105,11 +119,11 @@ class ModelSpec:
         return self._layer_params
 
     def _count_layer_params(self) -> int:
-        h, kv, f = self.hidden, self.kv_dim, self.ffn
-        attn = h * (h + 2 * kv) + h * h
+        h, q, kv, f = self.hidden, self.q_dim, self.kv_dim, self.ffn
+        attn = h * (q + 2 * kv) + q * h
         mlp = (3 if self.gated else 2) * h * f
         if self.family == "gpt":
-            biases = (h + 2 * kv) + h + f + h
+            biases = (q + 2 * kv) + h + f + h
             norms = 4 * h
         else:
             biases = 0
@@ -134,12 +148,12 @@ class ModelSpec:
     # ---- FLOPs (per sequence of self.seq tokens, forward pass) ---------------------
     def layer_matmul_flops(self) -> float:
         """Returns forward FLOPs of one layer's weight matmuls for one sequence."""
-        h, kv, f, s = self.hidden, self.kv_dim, self.ffn, self.seq
-        return 2.0 * s * (h * (h + 2 * kv) + h * h + (3 if self.gated else 2) * h * f)
+        h, q, kv, f, s = self.hidden, self.q_dim, self.kv_dim, self.ffn, self.seq
+        return 2.0 * s * (h * (q + 2 * kv) + q * h + (3 if self.gated else 2) * h * f)
 
     def layer_attention_flops(self) -> float:
         """Returns forward FLOPs of one layer's QK^T and AV products for one sequence."""
-        return 2.0 * 2.0 * self.seq * self.seq * self.hidden
+        return 2.0 * 2.0 * self.seq * self.seq * self.q_dim
 
     def layer_flops(self) -> float:
         """Returns forward FLOPs of one transformer layer for one sequence."""
@@ -174,9 +188,10 @@ class ModelSpec:
             return e * s * h / (tp if sequence_parallel else 1)
         drop = 1.0 if self.dropout else 0.0
         replicated = e * s * h * 4 + drop * 2 * s * h  # 2 norm inputs, qkv and mlp inputs; masks
-        sharded = e * s * (h + kv)  # Q, K for QK^T
+        q = self.q_dim
+        sharded = e * s * (q + kv)  # Q, K for QK^T
         sharded += e * s * kv  # V
-        sharded += e * s * h  # output projection input
+        sharded += e * s * q  # output projection input
         # the activation's inputs and outputs its backward and the down projection keep:
         # SwiGLU gate, up, silu(gate) and the product; GeLU its input and output; ReLU only
         # its output (its backward reads the result, the down projection's input too)
@@ -311,14 +326,11 @@ def model_from_hf_config(path: Path) -> ModelSpec:
         "seq": _require_int(cfg, "max_position_embeddings", str(path)),
         "tie_embeddings": bool(cfg.get("tie_word_embeddings", False)),
     }
-    head_dim = cfg.get("head_dim")
-    if isinstance(head_dim, int) and head_dim * heads != shape["hidden"]:
-        raise InputError(
-            f"{path}:head_dim",
-            f"{head_dim} x {heads} heads = {head_dim * heads:,} differs from hidden_size "
-            f"{shape['hidden']:,}: attention of another width than the hidden size is not "
-            "modelled (its heads are taken as hidden_size / num_attention_heads wide)",
-        )
+    if cfg.get("head_dim") is not None:
+        head_dim = _require_int(cfg, "head_dim", str(path))
+        if head_dim * heads != shape["hidden"]:
+            # heads of another width than hidden / heads (Qwen3-32B, Gemma, Mistral NeMo)
+            shape["attn_head_dim"] = head_dim
     if cfg.get("model_type") in PLAIN_MLP_TYPES:  # LayerNorm, biases, a GeLU MLP of two
         act = str(cfg.get("hidden_act", "gelu"))
         if not (act.startswith("gelu") or act == "relu"):

@@ -184,6 +184,8 @@ def model_dict(model: ModelSpec) -> dict[str, Any]:
     """Returns the plan file's ``model`` object: the model's name, shape and sequence length."""
     out: dict[str, Any] = {"name": model.name}
     out.update({k: getattr(model, k) for k in MODEL_SHAPE})
+    if model.attn_head_dim:  # heads of another width than hidden / heads only
+        out["head_dim"] = model.attn_head_dim
     out["seq_len"] = model.seq
     return out
 
@@ -205,9 +207,12 @@ def _parse_model(raw: Any) -> ModelSpec:
     seq = raw["seq_len"]  # (ModelSpec checks the other counts, under the same field names)
     if not isinstance(seq, int) or isinstance(seq, bool) or seq <= 0:
         raise InputError("model.seq_len", f"must be a positive integer, got {shown(seq)}")
+    head_dim = raw.get("head_dim", 0)  # stated only where it is not hidden / heads
+    if not isinstance(head_dim, int) or isinstance(head_dim, bool) or head_dim < 0:
+        raise InputError("model.head_dim", f"must be a positive integer, got {shown(head_dim)}")
     return ModelSpec(raw["name"], raw["family"], raw["layers"], raw["hidden"], raw["heads"],
                      raw["kv_heads"], raw["ffn"], raw["vocab"], raw["seq_len"],
-                     raw["tie_embeddings"])  # fmt: skip
+                     raw["tie_embeddings"], attn_head_dim=head_dim)  # fmt: skip
 
 
 def model_for_plan(plan: Plan, model: ModelSpec, seq_len: int | None) -> ModelSpec:
@@ -226,7 +231,7 @@ def check_model_shape(plan: Plan, model: ModelSpec) -> None:
     made = plan.model
     if made is None:
         return
-    for key in MODEL_SHAPE:
+    for key in (*MODEL_SHAPE, "head_dim"):
         want, got = getattr(made, key), getattr(model, key)
         if want != got:
             raise InputError(

@@ -35,10 +35,14 @@ def inputs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     (root / "llama").mkdir()
     (root / "gpt" / "config.json").write_text(json.dumps(GPT))
     (root / "llama" / "config.json").write_text(json.dumps(LLAMA))
+    # heads of 16 on a hidden size of 32: queries 64 wide (Qwen3's and Gemma's shape)
+    (root / "llama_wide").mkdir()
+    (root / "llama_wide" / "config.json").write_text(json.dumps({**LLAMA, "head_dim": 16}))
     (root / "cluster.yaml").write_text(CLUSTER)
     return {
         "gpt": root / "gpt" / "config.json",
         "llama": root / "llama" / "config.json",
+        "llama_wide": root / "llama_wide" / "config.json",
         "cluster": root / "cluster.yaml",
     }
 

@@ -37,6 +37,12 @@ CASES = [
         {"schedule": "Interleaved1F1B", "virtual_stages": 2},
     ),
     (
+        "heads wider than hidden / heads, tensor parallel 2 beside a 2-stage replica",
+        "llama_wide",
+        [(4, [(4, [0, 1])]), (4, [(2, [2]), (2, [3])])],
+        {},
+    ),
+    (
         "Interleaved1F1B, 3 micro-batches on 2 stages (one group of 3)",
         "llama",
         [(6, [(2, [0]), (2, [1])])],

@@ -82,9 +82,10 @@ def layer_times(
     run on the rank's 1/tp of the sequence (Korthikanti et al. 2022); without it every rank of
     the TP group repeats them on the whole sequence."""
     peak = gpu.peak_flops(precision)
-    s, h, kv, f, a, dh = (
+    s, h, q, kv, f, a, dh = (
         model.seq,
         model.hidden,
+        model.q_dim,
         model.kv_dim,
         model.ffn,
         model.heads,
@@ -95,8 +96,8 @@ def layer_times(
     # weight matmuls, forward: qkv, output projection, MLP
     mlp_in = (2 if model.gated else 1) * f / tp
     fwd_gemm = (
-        gemm_time_s(eff, peak, tokens, h, (h + 2 * kv) / tp)
-        + gemm_time_s(eff, peak, tokens, h / tp, h)
+        gemm_time_s(eff, peak, tokens, h, (q + 2 * kv) / tp)
+        + gemm_time_s(eff, peak, tokens, q / tp, h)
         + gemm_time_s(eff, peak, tokens, h, mlp_in)
         + gemm_time_s(eff, peak, tokens, f / tp, h)
     )
@@ -114,12 +115,12 @@ def layer_times(
     rep_b = tokens * h * (e * (2 * 3 + 2 * 3) + drop * 3 * (2 * e + 1))
     if model.gated:  # silu(gate) * up: reads two, writes one; backward reads gate, up and
         # dy, writes both gradients; rotary on q and k (r+w, the same backward)
-        elem_f = tokens * f / tp * e * 3 + tokens * (h + kv) / tp * e * 2 * 2
-        elem_b = tokens * f / tp * e * 5 + tokens * (h + kv) / tp * e * 2 * 2
+        elem_f = tokens * f / tp * e * 3 + tokens * (q + kv) / tp * e * 2 * 2
+        elem_b = tokens * f / tp * e * 5 + tokens * (q + kv) / tp * e * 2 * 2
     else:  # bias + gelu (r+w; backward reads the input and dy, writes dx); the qkv bias
         # (r+w; its gradient is a sum over dy: one read)
-        elem_f = tokens * f / tp * e * 2 + tokens * (h + 2 * kv) / tp * e * 2
-        elem_b = tokens * f / tp * e * 3 + tokens * (h + 2 * kv) / tp * e
+        elem_f = tokens * f / tp * e * 2 + tokens * (q + 2 * kv) / tp * e * 2
+        elem_b = tokens * f / tp * e * 3 + tokens * (q + 2 * kv) / tp * e
     scores = heads_local * s * s
     # a fused scale+mask+softmax (Megatron's) reads the scores and writes the probabilities
     # once, its backward reads them and their gradient and writes one; the dropout on them

@@ -52,6 +52,8 @@ def megatron_args(plan: Plan, model: ModelSpec) -> list[str]:
     ]
     if model.kv_heads != model.heads:
         args += ["--group-query-attention", f"--num-query-groups={model.kv_heads}"]
+    if model.attn_head_dim:  # heads of another width than hidden / heads
+        args.append(f"--kv-channels={model.head_dim}")
     if model.family == "llama":
         args += [
             "--swiglu",

@@ -100,10 +100,10 @@ class Attention(nn.Module):
         bias = spec.family == "gpt"
         self.spec, self.tp, self.group, self.feat = spec, tp, group, feat
         sp = feat.sequence_parallel
-        self.q = ColumnParallelLinear(spec.hidden, spec.hidden, bias, tp, group)
+        self.q = ColumnParallelLinear(spec.hidden, spec.q_dim, bias, tp, group)
         self.k = ColumnParallelLinear(spec.hidden, spec.kv_dim, bias, tp, group)
         self.v = ColumnParallelLinear(spec.hidden, spec.kv_dim, bias, tp, group)
-        self.o = RowParallelLinear(spec.hidden, spec.hidden, bias, tp, group, sp)
+        self.o = RowParallelLinear(spec.q_dim, spec.hidden, bias, tp, group, sp)
         if spec.family == "llama":
             d = spec.head_dim
             inv = 1.0 / (feat.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
