@@ -385,3 +385,20 @@ def test_predict_fills_the_one_degree_left_out():
     assert two.returncode == 2 and two.stderr.startswith("error: --pp: required without --plan")
     odd = run(*base, "--tp", "3", "--pp", "1")
     assert odd.returncode == 2 and "does not divide the 32 GPUs" in odd.stderr, odd.stderr
+
+
+def test_launch_json_prints_the_per_node_commands_as_data(tmp_path):
+    """A plan over two nodes, without --node-rank: the commands each node runs. With --json
+    they were printed to stderr as text and stdout stayed empty; now one JSON object names
+    each node with its argv, the rendezvous address left for the user to fill."""
+    plan = tmp_path / "p.json"
+    res = run("plan", "-m", "gpt3-1.3b", "-c", "A100-80GB:2x8", "--out", str(plan))
+    assert res.returncode == 0, res.stderr
+    res = run("launch", str(plan), "-m", "gpt3-1.3b", "-c", "A100-80GB:2x8", "--json")
+    assert res.returncode == 0, res.stderr
+    data = json.loads(res.stdout)
+    assert [n["node"] for n in data["nodes"]] == ["a100-80gb-0", "a100-80gb-1"]
+    for rank, node in enumerate(data["nodes"]):
+        assert node["argv"][0] == "torchrun" and f"--node-rank={rank}" in node["argv"]
+        assert "--master-addr=MASTER_HOST" in node["argv"]
+    assert data["master_addr"] == "MASTER_HOST" and data["predicted_step_time_s"] > 0

@@ -83,3 +83,34 @@ def test_a_plan_file_is_named_alike_in_every_command_that_reads_one(tmp_path: Pa
     assert (
         none.stderr.strip() == "error: PLAN: missing: the plan file, as the argument PLAN or --plan"
     )
+
+
+def test_every_command_that_reads_a_model_or_a_cluster_takes_the_short_names() -> None:
+    """-m for --model and -c for --cluster wherever they mean the model and the cluster to
+    plan or run on (launch and profile lacked them); provision's --cluster is the nodes one
+    owns, a different thing, and keeps its long name only. Read from each command's own
+    parameters, not its help text."""
+    import typer.main
+
+    from hetplan.cli import app
+
+    group = typer.main.get_command(app)
+
+    def options(path: list[str]) -> dict[str, set[str]]:
+        cmd = group
+        for name in path:
+            cmd = cmd.commands[name]  # type: ignore[attr-defined]
+        return {o: set(p.opts) for p in cmd.params for o in p.opts if o.startswith("--")}
+
+    takes = {  # (command path, reads --model, reads --cluster), listed by hand
+        ("plan",): (True, True), ("predict",): (True, True), ("explain",): (True, True),
+        ("replan",): (True, True), ("launch",): (True, True), ("export",): (True, False),
+        ("provision",): (True, False), ("profile",): (True, False),
+        ("spot", "simulate"): (True, True),
+    }  # fmt: skip
+    for path, (model, cluster) in takes.items():
+        opts = options(list(path))
+        if model:
+            assert "-m" in opts["--model"], path
+        if cluster:
+            assert "-c" in opts["--cluster"], path

@@ -51,8 +51,8 @@ def overlap_notes(plan: Any) -> list[str]:
 def launch(
     plan_arg: PlanArg = None,
     *,
-    model: Annotated[str, typer.Option("--model", help="Catalog name or config.json.")],
-    cluster: Annotated[str, typer.Option("--cluster", help="Cluster file or inline spec.")],
+    model: Annotated[str, typer.Option("--model", "-m", help="Catalog name or config.json.")],
+    cluster: Annotated[str, typer.Option("--cluster", "-c", help="Cluster file or inline spec.")],
     plan_opt: PlanOpt = None,
     steps: Annotated[int, typer.Option(help="Train until this step.")] = 10,
     data: Annotated[
@@ -217,7 +217,18 @@ def launch(
     if nnodes is not None and nnodes != len(checked.nodes):
         raise InputError("--nnodes", f"the plan uses {len(checked.nodes)} nodes, not {nnodes}")
     if multi and (node_rank is None or master_addr is None):
-        for node, cmd in node_commands(cfg, checked, master_addr or "MASTER_HOST", master_port):
+        per_node = node_commands(cfg, checked, master_addr or "MASTER_HOST", master_port)
+        if as_json:  # the commands as data: one object on stdout, as every --json prints
+            typer.echo(json_text({
+                "nodes": [{"node": node, "argv": cmd, "command": format_command(cmd)}
+                          for node, cmd in per_node],
+                "master_addr": master_addr or "MASTER_HOST",
+                "master_port": master_port,
+                "predicted_step_time_s": pred_step,
+                "notes": notes,
+            }))  # fmt: skip
+            return
+        for node, cmd in per_node:
             console.print(f"# on {node}")
             console.print(format_command(cmd), soft_wrap=True, highlight=False)
         return
@@ -287,7 +298,7 @@ def _override_plan(path: Path, tmp: Path, **fields: Any) -> Path:
 def profile(
     ctx: typer.Context,
     model: Annotated[
-        str | None, typer.Option("--model", help="Catalog name or config.json.")
+        str | None, typer.Option("--model", "-m", help="Catalog name or config.json.")
     ] = None,
     device: Annotated[str, typer.Option(help="cpu or cuda:N.")] = "cpu",
     name: Annotated[str | None, typer.Option(help="Device type name (default cpu/GPU).")] = None,
