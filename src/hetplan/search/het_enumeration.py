@@ -18,7 +18,7 @@ import numpy as np
 
 from hetplan.cost.estimate import p2p_wait_s
 from hetplan.cost.memory import stage_state
-from hetplan.cost.schedule import full_warmup, in_flight, peak_in_flight
+from hetplan.cost.schedule import full_warmup, in_flight, interleave_fits, peak_in_flight
 from hetplan.cost.sharding import dominated_by_zero1
 from hetplan.plan import RECOMPUTE, Pipeline, Plan, Stage
 from hetplan.search.het_bounds import (
@@ -178,9 +178,19 @@ class Enumeration:
         ]
 
     def step(self, pipe: _Pipe) -> int:
-        """Returns the multiple a pipeline's micro-batches must be."""
+        """Returns the multiple of which a pipeline's micro-batch counts run in groups of
+        its stages: p interleaved (other counts that run in equal groups are ``_counts``'s
+        too), else 1."""
         p = len(pipe.classes)
         return p if self.knobs.virtual_stages > 1 and p > 1 else 1
+
+    def _counts(self, p: int, step: int) -> list[int]:
+        """Returns the micro-batch counts a pipeline of ``p`` stages may run, ascending:
+        every one, or interleaved those PyTorch's and Megatron-Core's schedules run in
+        equal groups (``interleave_fits``: the multiples of p and others)."""
+        if step == 1:
+            return list(range(1, self.total + 1))
+        return [m for m in range(p, self.total + 1) if interleave_fits(p, m)]
 
     def fits(self, pipe: _Pipe, m: int, state: list[float]) -> bool:
         """Returns whether every stage fits with ``m`` micro-batches and these state bytes,
@@ -350,11 +360,20 @@ class Enumeration:
             held: list[int] = []
             saturated = False
             warm = self._warmups(p)
-            for m in range(step, self.total + 1, step):
+            for m in self._counts(p, step):
+                if m % step:
+                    # interleaved in groups other than p (``interleave_group``): a longer
+                    # warm-up than the multiples of p around it, asked on its own; one that
+                    # does not fit says nothing of the next multiple of p, which holds less
+                    units = [peak_in_flight(k.schedule, p, m, v, j) for j in range(p)]
+                    if not self.fits_held(pipe, units, pipe.state_floor):
+                        continue
                 # memory reads the count only through each stage's micro-batches in flight
-                # (``peak_in_flight``) and only grows with them; GPipe holds all m v, the
-                # others at most their warm-up + 1, which they keep once they reach it
-                if not saturated:
+                # (``peak_in_flight``) and only grows with them along the multiples of p;
+                # GPipe holds all m v, the others at most their warm-up + 1, which they
+                # keep once they reach it (a count grouped otherwise holds more than the
+                # multiple of p below it: past a multiple that does not fit none does)
+                elif not saturated:
                     now = held_units(gpipe, interleaved, v, warm, m)
                     if now != held:
                         if not self.fits_held(pipe, now, pipe.state_floor):
