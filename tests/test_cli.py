@@ -402,3 +402,16 @@ def test_launch_json_prints_the_per_node_commands_as_data(tmp_path):
         assert node["argv"][0] == "torchrun" and f"--node-rank={rank}" in node["argv"]
         assert "--master-addr=MASTER_HOST" in node["argv"]
     assert data["master_addr"] == "MASTER_HOST" and data["predicted_step_time_s"] > 0
+
+
+def test_the_plans_table_names_groups_other_than_the_stages():
+    """10 micro-batches per replica on 4 stages run in 2 groups of 5: the schedule column
+    says so; 8 (groups of 4, the stages) reads as before."""
+    base = ("predict", "-m", "gpt3-1.3b", "-c", "A100-80GB:1x8", "--tp", "1", "--pp", "4",
+            "--dp", "2", "--schedule", "Interleaved1F1B", "--virtual-stages", "2")  # fmt: skip
+    flex = run(*base, "-b", "20")
+    assert flex.returncode == 0, flex.stderr
+    assert "Interleaved1F1B(v=2, groups of 5)" in flex.stdout
+    even = run(*base, "-b", "16")
+    assert even.returncode == 0, even.stderr
+    assert "Interleaved1F1B(v=2)" in even.stdout and "groups of" not in even.stdout

@@ -33,6 +33,19 @@ def plan_label(plan: Plan) -> str:
     )
 
 
+def _groups(plan: Plan) -> str:
+    """Returns ', groups of g' where an interleaved plan's pipelines run their micro-batches
+    through each chunk in groups other than their stages (``interleave_group``), else ''."""
+    from hetplan.cost.schedule import interleave_group
+
+    groups = {
+        interleave_group(len(p.stages), plan.num_micro_batches(p))
+        for p in plan.pipelines
+        if len(p.stages) > 1 and plan.num_micro_batches(p) % len(p.stages)
+    }
+    return f", groups of {'/'.join(map(str, sorted(groups)))}" if groups else ""
+
+
 def _degree(value: Any) -> str:
     return "/".join(map(str, value)) if isinstance(value, list) else str(value)
 
@@ -80,7 +93,8 @@ def plans_table(ranked: list[tuple[Plan, Estimate]], title: str) -> Table:
         table.add_column(col, justify=justify)  # type: ignore[arg-type]
     for i, (plan, est) in enumerate(ranked, 1):
         deg = plan_summary(plan)
-        sched = plan.schedule + (f"(v={plan.virtual_stages})" if plan.virtual_stages > 1 else "")
+        sched = plan.schedule + (f"(v={plan.virtual_stages}{_groups(plan)})"
+                                 if plan.virtual_stages > 1 else "")  # fmt: skip
         if deg["pp"] == 1:
             sched = "-"
         table.add_row(
