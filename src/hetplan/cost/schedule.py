@@ -530,7 +530,9 @@ def pipeline_replay(
     replayed (``_periodic_replay``; where it does not, in a run twice as long, when the run
     is long enough), else at the slope of the last half of that run in phase with ``m``: an
     approximation, within 0.3% on random uneven pipelines and up to 2.5% on the ones
-    hypothesis seeks out (round transfers, equal stages; tested).
+    hypothesis seeks out (round transfers, equal stages; tested). An interleaved run grouped
+    otherwise than p (``interleave_group``) is continued from runs that group by p: its
+    steady state, not its warm-up.
     """
     p = len(fwd_s)
     if p == 1 and v == 1:
