@@ -84,3 +84,20 @@ def test_blocks_encode_as_the_whole_text(tmp_path: Path, monkeypatch: pytest.Mon
     want = Tokenizer.from_file(str(folder / "tokenizer.json")).encode(TEXT).ids
     assert summary["tokens"] == len(want)
     assert np.fromfile(out, dtype="<u2").tolist() == want
+
+
+def test_byte_ids_in_32_bits_read_back_the_same(tmp_path: Path) -> None:
+    """A .u32 name writes uint32 ids whatever the vocabulary (it was refused for 256 byte
+    ids: 'needs uint16'); the reader takes the name's width and reads the same bytes."""
+    from hetplan.runtime.data import TokenSource
+    from hetplan.runtime.data_convert import convert_text
+
+    text = tmp_path / "t.txt"
+    text.write_text("hello world, hello tokens\n" * 4, encoding="utf-8")
+    out = tmp_path / "t.u32"
+    summary = convert_text(text, out)
+    want = list(text.read_bytes())
+    assert summary["dtype"] == "uint32" and summary["tokens"] == len(want)
+    assert np.fromfile(out, dtype="<u4").tolist() == want
+    src = TokenSource(vocab=256, seq=8, seed=0, path=out)
+    assert src.sequence(0).tolist() == want[:9]

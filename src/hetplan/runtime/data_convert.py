@@ -80,14 +80,14 @@ def convert_text(src: Path, out: Path, tokenizer: Path | None = None) -> dict[st
     if not src.is_file():
         raise InputError("TEXT", f"no such file: {src}")
     encode, vocab = _encoder(tokenizer)
-    dtype = "uint16" if vocab <= 65536 else "uint32"
     suffix = out.suffix.lower()
     if suffix not in (".bin", ".u16", ".u32"):
         raise InputError("--out", f"{out.name}: name it .bin (uint16), .u16 or .u32")
-    if (suffix == ".u32") != (dtype == "uint32") and suffix != ".bin":
-        raise InputError("--out", f"{out.name}: a vocabulary of {vocab} needs {dtype} ids")
-    if suffix == ".bin" and dtype == "uint32":
-        raise InputError("--out", f"a vocabulary of {vocab} needs uint32 ids: name it .u32")
+    dtype = "uint32" if suffix == ".u32" else "uint16"  # as the reader takes the name
+    if dtype == "uint16" and vocab > 65536:
+        raise InputError(
+            "--out", f"{out.name}: a vocabulary of {vocab} needs uint32 ids: name it .u32"
+        )
     count = 0
     with output_file(out, "--out", fsync=True) as tmp, tmp.open("wb") as w:
         for ids in _id_blocks(src, encode, dtype):
