@@ -43,11 +43,12 @@ at a time, and the replay (``estimate``) starts no action before its inputs exis
   with the path P in [P_i, P_i+1] (``DRAIN_PATHS`` geometric intervals of [path floor, T]),
   each stage's backward is within (T - P_i) / (m - 1) and the path within P_i+1, and G is
   at least the least over the intervals of the linear program with that cap too;
-* interleaved (v chunks): a valid plan's pipeline of p > 1 stages runs a multiple of p
-  micro-batches (``plan.validate_plan``; both searches generate only those). With m = p it
-  has at least p = m GPUs; with m >= 2p its busiest stage runs m >= 2p micro-batches of at
-  least (its path) / p each, so T >= 2 x path: the linear program with the path within T / 2.
-  One stage (p = 1) runs m micro-batches of its whole path: the same holds for m >= 2.
+* interleaved (v chunks): a valid plan's pipeline of p > 1 stages runs m >= p micro-batches
+  (``plan.validate_plan``: in equal groups, ``schedule.interleave_fits``). With m < 2p it
+  has p > m / 2 stages, so at least m // 2 + 1 GPUs; with m >= 2p its busiest stage runs
+  m >= 2p micro-batches of at least (its path) / p each, so T >= 2 x path: the linear
+  program with the path within T / 2. One stage (p = 1) runs m micro-batches of its whole
+  path: the same holds for m >= 2.
 
 A pipeline is of one family or the other: G is at least the smaller of the two. TP
 collectives enter through the ``TypeFloor`` layer times (``provision_bounds``).
@@ -300,14 +301,14 @@ def interleaved_gpus(
     m_lo: np.ndarray,
 ) -> np.ndarray:
     """Returns, per (T in ``grid``, m_lo), the least GPUs of an interleaved pipeline of at
-    least m_lo micro-batches finishing in T: its p stages divide m; m = p needs p >= m_lo
-    GPUs, m >= 2p keeps the path within T / 2 (the busiest stage runs m >= 2p micro-batches
-    of at least path / p each)."""
+    least m_lo micro-batches finishing in T: its p stages run m >= p (in equal groups); m <
+    2p needs p > m / 2 >= m_lo / 2 GPUs, m >= 2p keeps the path within T / 2 (the busiest
+    stage runs m >= 2p micro-batches of at least path / p each)."""
     t = grid[:, None]
     shape = (grid.size, m_lo.size)
     stage = np.broadcast_to(t / m_lo, shape)
     half = least_gpus(units, tps, times, fixed, stage, np.broadcast_to(t / 2 - cut, shape))
-    return np.minimum(np.broadcast_to(m_lo, shape), half)
+    return np.minimum(np.broadcast_to(m_lo // 2 + 1, shape), half)
 
 
 def drain_gpus(

@@ -31,8 +31,8 @@ of them, ``WEIGHTS``, is taken). A pipeline is of one of three kinds:
   u_B rho_B = 1), all evaluated. The families of ``provision_batch`` hold as there: every
   pipeline meets the base (stage and path budgets), and either the drain of one model chunk
   per stage (the path in one of ``DRAIN_PATHS`` intervals) or interleaving (its path within
-  T / 2, or m = p >= 2 stages: at least one GPU per stage, the cheaper type's weight for all
-  but one of each type).
+  T / 2, or p <= m < 2p stages, so more than m / 2: at least one GPU per stage, the cheaper
+  type's weight for all but one of each type).
 
 With m in ranges [m_lo, m_hi] (budgets at m_lo, division by m_hi) and the costs made
 non-increasing in T (a longer time never needs more), the floor at each micro-batch size is
@@ -181,8 +181,9 @@ def _mixed_table(
         cost = _cost(base, wa, wb)
         if back:
             drain = np.min([_cost(c, wa, wb) for c in drains], axis=0)
-            # interleaved with m = p >= 2 stages: a GPU per stage, one of each type at least
-            count = wa + wb + np.maximum(m_lo - 2, 0) * min(wa, wb)
+            # interleaved with p <= m < 2p stages (p > m / 2 >= m_lo / 2; m >= 2p is
+            # ``half``): a GPU per stage, one of each type at least
+            count = wa + wb + np.maximum(m_lo // 2 + 1 - 2, 0) * min(wa, wb)
             inter = np.minimum(count, _cost(half, wa, wb))
             cost = np.maximum(cost, np.minimum(drain, inter))
         cost = np.maximum(cost, wa + wb)
