@@ -4,8 +4,10 @@ The repair keeps every surviving stage where it is (so its checkpoint shards sta
 drops the stages of lost nodes, appends TP groups of joined nodes to the pipelines, then
 re-splits each pipeline's layers to balance its stages (greedy on per-layer times taken
 from the old plan's estimate) and the global batch across pipelines (by their modelled
-rates), scored with the one cost model. A full search (``search=True``) runs beside it and
-the faster plan wins; the repair alone is what makes replanning take well under a second.
+rates), scored with the one cost model. Beside it, the old plan on its intact pipelines
+alone (layouts and schedule kept, the batch rebalanced); the faster wins. A full search
+(``search=True``) runs beside them and the faster plan wins; the repair alone is what makes
+replanning take well under a second.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ from hetplan.cluster import Cluster
 from hetplan.errors import InputError, shown
 from hetplan.model import ModelSpec
 from hetplan.plan import RECOMPUTE, SCHEDULES, Plan
-from hetplan.search.homogeneous_candidates import SearchSpace
+from hetplan.search.homogeneous_candidates import SearchSpace, tp_splits_model
 
 MAX_RANGE = 1 << 20
 """The widest range a knob may be given (``1..1048576``): more is a typo."""
@@ -143,11 +143,12 @@ class PlanConstraints:
                     reasons.append(f"TP {t} needs {t} GPUs in one node, and the largest has "
                                    f"{node_gpus}")  # fmt: skip
                     continue
-                parts = [(model.heads, "attention heads"), (model.kv_heads, "key-value heads"),
+                if tp_splits_model(model, t):  # the searches' own rule
+                    return None
+                kv = model.kv_heads if t % model.kv_heads else t  # t: replicated in groups
+                parts = [(model.heads, "attention heads"), (kv, "key-value heads"),
                          (model.ffn, "MLP width")]  # fmt: skip
                 uneven = [f"{n:,} {what}" for n, what in parts if n % t]
-                if not uneven:
-                    return None
                 reasons.append(f"TP {t} does not divide {model.name}'s {' or '.join(uneven)}")
             return "; ".join(reasons)
         if option == "--pp" and self.pp and min(self.pp) > min(model.layers, total_gpus):

@@ -160,6 +160,7 @@ class Enumeration:
         self._bound: dict[tuple[object, ...], float] = {}
         self._acts: dict[tuple[object, ...], float] = {}
         self._warm: dict[int, list[int]] = {}
+        self._count_lists: dict[tuple[int, int], list[int]] = {}
 
     def opt_s(
         self, k: int, layers: int, first: bool, last: bool, single: bool, shards: int
@@ -188,9 +189,13 @@ class Enumeration:
         """Returns the micro-batch counts a pipeline of ``p`` stages may run, ascending:
         every one, or interleaved those PyTorch's and Megatron-Core's schedules run in
         equal groups (``interleave_fits``: the multiples of p and others)."""
-        if step == 1:
-            return list(range(1, self.total + 1))
-        return [m for m in range(p, self.total + 1) if interleave_fits(p, m)]
+        hit = self._count_lists.get((p, step))
+        if hit is None:
+            every = range(1, self.total + 1)
+            hit = self._count_lists[(p, step)] = (
+                list(every) if step == 1 else [m for m in every if interleave_fits(p, m)]
+            )
+        return hit
 
     def fits(self, pipe: _Pipe, m: int, state: list[float]) -> bool:
         """Returns whether every stage fits with ``m`` micro-batches and these state bytes,
