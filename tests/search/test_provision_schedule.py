@@ -244,7 +244,9 @@ def test_interleaved_floor_by_hand():
     of 4) take at least 3 GPUs; as m >= 2p the path is within 4 s: all six at TP 2 (3.6 s)
     in stages of at most 2 s (3 layers: 2 stages, 4 GPUs), or x layers at TP 1 (cap 2
     layers, 1/2 GPU each) with the rest at TP 2 (2/3 GPU each) and x + 0.6 (6 - x) <= 4:
-    x = 1, 0.5 + 5 x 2/3 = 3.83 GPUs; the least: 3."""
+    x = 1, 0.5 + 5 x 2/3 = 3.83 GPUs; the least: 3. Every pipeline also meets the base
+    bound (stages of at most T / m, path within T): at m = 4, six layers at TP 1 in stages
+    of 2 s (2 layers, 1/2 GPU each): 3 GPUs, so 3."""
     from hetplan.search.provision_batch import interleaved_gpus
 
     got = interleaved_gpus(6, np.array([1.0, 2.0]), np.array([1.0, 0.6]), 0.0, 0.0,
@@ -252,5 +254,20 @@ def test_interleaved_floor_by_hand():
     assert float(got[0, 0]) == pytest.approx(min(3.0, 0.5 + 5 * 2 / 3), rel=1e-9)
     # eight micro-batches: p <= 8 < 2p stages means p >= 5 GPUs; with m >= 2p, stages of
     # 1 s hold 1 layer at TP 1 or TP 2 (0.6 s), path 4 s: x + 0.6 (6 - x) <= 4 gives x = 1
-    # at TP 1 (1 GPU) and 5 at TP 2 (10 GPUs): 11; the least: 5
-    assert float(got[0, 1]) == pytest.approx(5.0, rel=1e-9)
+    # at TP 1 (1 GPU) and 5 at TP 2 (10 GPUs): 11; the least of the two: 5. The base bound
+    # is larger: stages of 1 s hold one layer whatever the degree, so 6 stages, 6 GPUs.
+    assert float(got[0, 1]) == pytest.approx(6.0, rel=1e-9)
+
+
+def test_interleaved_floor_pays_two_chunks_fixed_costs():
+    """The same six layers with 0.2 s fixed per micro-batch and chunk, four micro-batches
+    in T = 8 s. An interleaved stage runs two chunks at least: 0.4 s fixed, so in its 2 s per
+    micro-batch it holds 1 layer at TP 1 (1.4 s; 2 would take 2.4 s) or 2 at TP 2 (1.6 s;
+    3 would take 2.2 s): one GPU per layer either way, 6 GPUs (the path, all at TP 2,
+    is 6 x 0.6 + 3 x 0.4 = 4.8 s <= 8). With one chunk's 0.2 s, 3 layers at TP 2 (2.0 s)
+    would fit a stage: 4 GPUs, which the two chunks' fixed cost rules out."""
+    from hetplan.search.provision_batch import interleaved_gpus
+
+    got = interleaved_gpus(6, np.array([1.0, 2.0]), np.array([1.0, 0.6]), 0.2, 0.0,
+                           np.array([8.0]), np.array([4.0]))  # fmt: skip
+    assert float(got[0, 0]) == pytest.approx(6.0, rel=1e-9)

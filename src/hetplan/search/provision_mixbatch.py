@@ -32,7 +32,8 @@ of them, ``WEIGHTS``, is taken). A pipeline is of one of three kinds:
   pipeline meets the base (stage and path budgets), and either the drain of one model chunk
   per stage (the path in one of ``DRAIN_PATHS`` intervals) or interleaving (its path within
   T / 2, or p <= m < 2p stages, so more than m / 2: at least one GPU per stage, the cheaper
-  type's weight for all but one of each type).
+  type's weight for all but one of each type), and an interleaved one also meets the base
+  with two chunks' fixed costs per stage.
 
 With m in ranges [m_lo, m_hi] (budgets at m_lo, division by m_hi) and the costs made
 non-increasing in T (a longer time never needs more), the floor at each micro-batch size is
@@ -84,13 +85,15 @@ def _per_unit(
     stage: np.ndarray,
     extra: float,
     drain_budget: np.ndarray | None,
+    chunks: int = 1,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Returns (rho, pi): the least GPUs per unit and the least path per unit over ``f``'s
     degrees at micro-batch size index i, stages within ``stage`` seconds per micro-batch
-    (and their backward within ``drain_budget``); inf where no stage holds a unit."""
+    (and their backward within ``drain_budget``) with at least ``chunks`` model chunks each
+    (each its fixed cost); inf where no stage holds a unit."""
     tps = np.array(f.tps, dtype=float)
     times = np.array(f.layer_tp[i])
-    fixed = max(f.fixed_s, 0.0)
+    fixed = chunks * max(f.fixed_s, 0.0)
     drain = None
     if drain_budget is not None:
         drain = Drain(drain_budget, np.array(f.layer_back_tp[i]), fixed / 2, extra)
@@ -158,14 +161,14 @@ def _mixed_table(
     stage = np.broadcast_to(t / m_lo, shape)
     back = all(f.layer_back_tp for f in floors)
 
-    def cands(path: np.ndarray, budget: np.ndarray | None) -> _Cands:
-        ra, pa = _per_unit(units, fa, i, stage, extra, budget)
-        rb, pb = _per_unit(units, fb, i, stage, extra, budget)
+    def cands(path: np.ndarray, budget: np.ndarray | None, chunks: int = 1) -> _Cands:
+        ra, pa = _per_unit(units, fa, i, stage, extra, budget, chunks)
+        rb, pb = _per_unit(units, fb, i, stage, extra, budget, chunks)
         return _candidates(units, ra, pa, rb, pb, np.broadcast_to(path, shape))
 
     base = cands(t - cut, None)
     drains: list[_Cands] = []
-    half = base
+    half = base2 = base
     if back:
         ratio = np.maximum(grid / lo, 1.0) ** (1.0 / DRAIN_PATHS)
         several = m_lo > 1
@@ -175,7 +178,8 @@ def _mixed_table(
                 p_hi = grid
             budget = np.where(several, (grid - p_lo)[:, None] / np.maximum(m_lo - 1, 1), np.inf)
             drains.append(cands(p_hi[:, None] - cut, budget))
-        half = cands(t / 2 - cut, None)
+        # interleaved: two model chunks per stage at least, each with its fixed cost
+        half, base2 = cands(t / 2 - cut, None, 2), cands(t - cut, None, 2)
     out = np.empty((grid.size, len(WEIGHTS)))
     for j, (wa, wb) in enumerate(WEIGHTS):
         cost = _cost(base, wa, wb)
@@ -184,7 +188,7 @@ def _mixed_table(
             # interleaved with p <= m < 2p stages (p > m / 2 >= m_lo / 2; m >= 2p is
             # ``half``): a GPU per stage, one of each type at least
             count = wa + wb + np.maximum(m_lo // 2 + 1 - 2, 0) * min(wa, wb)
-            inter = np.minimum(count, _cost(half, wa, wb))
+            inter = np.maximum(_cost(base2, wa, wb), np.minimum(count, _cost(half, wa, wb)))
             cost = np.maximum(cost, np.minimum(drain, inter))
         cost = np.maximum(cost, wa + wb)
         out[:, j] = np.minimum.accumulate((cost / m_hi).min(axis=1) * (1 - _SLACK))
