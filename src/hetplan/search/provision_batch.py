@@ -51,7 +51,7 @@ at a time, and the replay (``estimate``) starts no action before its inputs exis
   path: the same holds for m >= 2. Either way each stage runs v >= 2 chunks, each with the
   fixed cost per micro-batch (``estimate.stage_times``: v x the action and micro-batch
   costs), so the base bound holds with twice ``fixed``: on the default spot market (GPT-3
-  1.3B) 1,400 more mixes of 26,300 are pruned by their bounds.
+  1.3B) 1,500 more mixes of 26,300 are pruned by their bounds.
 
 A pipeline is of one family or the other: G is at least the smaller of the two. TP
 collectives enter through the ``TypeFloor`` layer times (``provision_bounds``).
