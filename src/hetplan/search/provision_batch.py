@@ -294,6 +294,11 @@ def _schedule_gpus(
     return np.minimum(one, interleaved_gpus(units, tps, times, fixed, cut, grid, m_lo))
 
 
+INTERLEAVED_CHUNKS = 2
+"""The fewest model chunks an interleaved stage runs, each with its fixed cost per
+micro-batch."""
+
+
 def interleaved_gpus(
     units: int,
     tps: np.ndarray,
@@ -312,9 +317,9 @@ def interleaved_gpus(
     t = grid[:, None]
     shape = (grid.size, m_lo.size)
     stage = np.broadcast_to(t / m_lo, shape)
-    chunks = 2.0 * fixed  # at least two model chunks per stage
-    base = least_gpus(units, tps, times, chunks, stage, np.broadcast_to(t - cut, shape))
-    half = least_gpus(units, tps, times, chunks, stage, np.broadcast_to(t / 2 - cut, shape))
+    per_stage = INTERLEAVED_CHUNKS * fixed
+    base = least_gpus(units, tps, times, per_stage, stage, np.broadcast_to(t - cut, shape))
+    half = least_gpus(units, tps, times, per_stage, stage, np.broadcast_to(t / 2 - cut, shape))
     return np.maximum(base, np.minimum(np.broadcast_to(m_lo // 2 + 1, shape), half))
 
 

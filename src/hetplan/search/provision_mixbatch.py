@@ -50,7 +50,13 @@ from functools import lru_cache
 import numpy as np
 
 from hetplan.model import ModelSpec
-from hetplan.search.provision_batch import Drain, _ranges, _table, stage_caps
+from hetplan.search.provision_batch import (
+    INTERLEAVED_CHUNKS,
+    Drain,
+    _ranges,
+    _table,
+    stage_caps,
+)
 from hetplan.search.provision_bounds import TypeFloor, path_floor_s
 
 _SLACK = 1e-9
@@ -168,7 +174,7 @@ def _mixed_table(
 
     base = cands(t - cut, None)
     drains: list[_Cands] = []
-    half = base2 = base
+    half = inter_base = base
     if back:
         ratio = np.maximum(grid / lo, 1.0) ** (1.0 / DRAIN_PATHS)
         several = m_lo > 1
@@ -178,8 +184,9 @@ def _mixed_table(
                 p_hi = grid
             budget = np.where(several, (grid - p_lo)[:, None] / np.maximum(m_lo - 1, 1), np.inf)
             drains.append(cands(p_hi[:, None] - cut, budget))
-        # interleaved: two model chunks per stage at least, each with its fixed cost
-        half, base2 = cands(t / 2 - cut, None, 2), cands(t - cut, None, 2)
+        # interleaved: each stage pays the fixed cost of every chunk it runs
+        half = cands(t / 2 - cut, None, INTERLEAVED_CHUNKS)
+        inter_base = cands(t - cut, None, INTERLEAVED_CHUNKS)
     out = np.empty((grid.size, len(WEIGHTS)))
     for j, (wa, wb) in enumerate(WEIGHTS):
         cost = _cost(base, wa, wb)
@@ -188,7 +195,7 @@ def _mixed_table(
             # interleaved with p <= m < 2p stages (p > m / 2 >= m_lo / 2; m >= 2p is
             # ``half``): a GPU per stage, one of each type at least
             count = wa + wb + np.maximum(m_lo // 2 + 1 - 2, 0) * min(wa, wb)
-            inter = np.maximum(_cost(base2, wa, wb), np.minimum(count, _cost(half, wa, wb)))
+            inter = np.maximum(_cost(inter_base, wa, wb), np.minimum(count, _cost(half, wa, wb)))
             cost = np.maximum(cost, np.minimum(drain, inter))
         cost = np.maximum(cost, wa + wb)
         out[:, j] = np.minimum.accumulate((cost / m_hi).min(axis=1) * (1 - _SLACK))
