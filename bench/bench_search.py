@@ -33,6 +33,11 @@ CASES = [
     ("GPT-3 6.7B, 16 A100 + 16 V100 + 32 T4",
      ["--model", "gpt3-6.7b", "--cluster", "examples/clusters/mixed64.yaml",
       "--global-batch-size", "1024", "--precision", "fp16"], 3.0, None, None),
+    # single-GPU nodes of a small model: the enumeration's selections multiply (200 s before
+    # its budget charged each step)
+    ("GPT-2, 12 RTX 3090 + 4 L4, single-GPU nodes",
+     ["--model", "gpt2", "--cluster", "RTX 3090:12x1,L4:4x1", "--global-batch-size", "16",
+      "--precision", "fp16"], 5.0, None, None),
     ("GPT-3 6.7B, 512 GPUs of three types",
      ["--model", "gpt3-6.7b", "--cluster", "A100-80GB:16x8,V100-32GB:16x8,T4:32x8",
       "--global-batch-size", "2048", "--precision", "fp16"], 20.0, None, None),

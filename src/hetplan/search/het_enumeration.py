@@ -45,6 +45,8 @@ ENUMERATION_BUDGET = 5_000_000
 placement, ``ESTIMATE_UNITS`` an estimate)."""
 ESTIMATE_UNITS = 300
 PIPE_UNITS = 2
+COMPLETE_UNITS = 2
+"""A complete selection's units per pipeline and ZeRO choice (its bound and memory check)."""
 ENUMERATION_SPLITS = 20_000
 """The most (shape, layer split) pipelines one knob setting may enumerate."""
 
@@ -161,6 +163,7 @@ class Enumeration:
         self._acts: dict[tuple[object, ...], float] = {}
         self._warm: dict[int, list[int]] = {}
         self._count_lists: dict[tuple[int, int], list[int]] = {}
+        self._fit_memo: dict[tuple[int, int, int, int], bool] = {}
 
     def opt_s(
         self, k: int, layers: int, first: bool, last: bool, single: bool, shards: int
@@ -447,6 +450,7 @@ class Enumeration:
         if len(chosen) >= self.most or self._cover[free] < left:
             return True
         fit = self._fit_of(free)
+        cut = self.s.cutoff_s  # it only falls: a stale one prunes less, never wrongly
         for pos in range(bisect.bisect_left(fit, start), len(fit)):
             if not self.work.spend():
                 return False
@@ -456,8 +460,10 @@ class Enumeration:
             for m, b in ms:
                 if idx == start and m < m0:
                     continue
-                if m > left or b >= self.s.cutoff_s:
+                if m > left or b >= cut:
                     break
+                if not self.work.spend():  # each extension is a step of the search
+                    return False
                 chosen.append((i, m))
                 ok = self._dfs(idx, m, left - m, rest, chosen)
                 chosen.pop()
@@ -483,11 +489,11 @@ class Enumeration:
             bound = max(self.pipe_bound_s(i, m, shards) for i, m in sel)
             if bound >= s.cutoff_s:
                 continue
-            states = [self._state(i, z, d) for i, _ in sel]
-            if all(self.fits(self.pipes[i], m, st) for (i, m), st in zip(sel, states, strict=True)):
+            if all(self._fits_at(i, m, z, d) for i, m in sel):
                 sp = s.sequence_parallel_for(any_tp)
                 self.queue.append((bound, len(self.queue), self, sel, z, sp))
-        return self.work.spend()
+        # a bound and a memory check per pipeline and ZeRO choice
+        return self.work.spend(COMPLETE_UNITS * d * len(zeros))
 
     def place(self, bound_s: float, sel: tuple[tuple[int, int], ...], z: int, sp: bool) -> bool:
         """Estimates a queued selection (whose bound ``bound_s`` holds for every placement)
@@ -528,6 +534,15 @@ class Enumeration:
                 return False
             s.evaluate(plan)
         return True
+
+    def _fits_at(self, i: int, m: int, z: int, d: int) -> bool:
+        """Returns ``fits`` of pipeline ``i`` at ``m`` micro-batches with its state under
+        ZeRO stage ``z`` among ``d`` pipelines (memoised: selections share their pipelines)."""
+        key = (i, m, z, d)
+        hit = self._fit_memo.get(key)
+        if hit is None:
+            hit = self._fit_memo[key] = self.fits(self.pipes[i], m, self._state(i, z, d))
+        return hit
 
     def _state(self, i: int, z: int, d: int) -> list[float]:
         pipe = self.pipes[i]
