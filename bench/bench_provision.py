@@ -254,10 +254,11 @@ def default_market_mix_bounds(console: Console) -> None:
 
     model = load_model("gpt3-1.3b")
     terms = dc_replace(SpotTerms(), state_bytes=12.0 * model.total_params())
+    offers = [o for o in load_market(None).offers if o.has_price("spot")]
+    largest = max(o.gpus_per_node for o in offers)  # as provision() sets it
     job = pts.ProvisionJob(model, 20e9, model.default_global_batch, "fp16", True,
                            default_params(), terms, True, True, PlanConstraints(),
-                           pricing="spot")  # fmt: skip
-    offers = [o for o in load_market(None).offers if o.has_price("spot")]
+                           pricing="spot", largest=largest)  # fmt: skip
     offers.sort(key=lambda o: o.price("spot") / max(pts.offer_floor(job, o).rate_flops))
     job = dc_replace(job, dominated_by=dominators(job, offers))  # as provision() does
     start = time.process_time()

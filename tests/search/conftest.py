@@ -14,6 +14,9 @@ MIX_MARKET = market_from_dict(
     }
 )  # fmt: skip
 """Three small offers whose two-type mixes the floor tests enumerate against real plans."""
+MIX_LARGEST = max(o.gpus_per_node for o in MIX_MARKET.offers)
+"""The most GPUs a node of ``MIX_MARKET`` holds: its floors charge data-parallel reductions
+(``TypeFloor.reduce_tp``) spanning nodes by it."""
 
 
 def one_offer(gpu: str, per: int, nodes: int) -> Offer:

@@ -26,6 +26,7 @@ from hetplan.search.provision_mixbatch import (
 )
 from hetplan.search.provision_stages import mix_iteration_floor_s
 
+from .conftest import MIX_LARGEST as LARGEST
 from .conftest import MIX_MARKET as MARKET
 from .conftest import one_offer as _offer
 
@@ -33,7 +34,7 @@ from .conftest import one_offer as _offer
 def _floor(model, offer, batch):
     node = offer.cluster(1).nodes[0]
     return type_floor(model, offer.gpu, offer.gpus_per_node, batch, default_params(), "fp16",
-                      True, node, False)  # fmt: skip
+                      True, node, False, LARGEST)  # fmt: skip
 
 
 def _synthetic(tps, times, fixed, back=None):

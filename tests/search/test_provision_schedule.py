@@ -17,6 +17,7 @@ from hetplan.search.homogeneous import search_homogeneous
 from hetplan.search.provision_batch import Drain, batch_floor_s, least_gpus
 from hetplan.search.provision_bounds import iteration_floor_s, tp_comm_floor_s, type_floor
 
+from .conftest import MIX_LARGEST as LARGEST
 from .conftest import MIX_MARKET as MARKET
 from .conftest import one_offer as _offer
 
@@ -24,7 +25,7 @@ from .conftest import one_offer as _offer
 def _floor(model, offer, batch, overlap=False):
     node = offer.cluster(1).nodes[0]
     return type_floor(model, offer.gpu, offer.gpus_per_node, batch, default_params(), "fp16",
-                      True, node, overlap)  # fmt: skip
+                      True, node, overlap, LARGEST)  # fmt: skip
 
 
 def test_tp_comm_floor_by_hand():

@@ -318,6 +318,14 @@ def _binding(front: list[Point], c: Constraints) -> str:
     return "no single configuration meets the deadline, budget and hourly cap together"
 
 
+def _largest_node(offers: list[Offer], owned: Cluster | None) -> int | None:
+    """Returns the most GPUs a node of any configuration holds (None without nodes)."""
+    sizes = [o.gpus_per_node for o in offers]
+    if owned is not None:
+        sizes += [n.gpus for n in owned.nodes]
+    return max(sizes, default=None)
+
+
 def provision(
     model: ModelSpec,
     market: Market,
@@ -389,7 +397,8 @@ def provision(
     job = ProvisionJob(model, tokens, global_batch, precision, spot, params, terms, prune,
                        flash_attention, replace(limits, gpu_types=None, max_gpus=None),
                        limits.max_gpus, progress, stop_at=stop_at, pricing=pricing,
-                       max_usd_per_hour=constraints.max_usd_per_hour)  # fmt: skip
+                       max_usd_per_hour=constraints.max_usd_per_hour,
+                       largest=_largest_node(offers, owned))  # fmt: skip
     # cheapest effective FLOP first: the low-cost end of the front prunes the rest early
     offers.sort(key=lambda o: o.price(pricing) / max(offer_floor(job, o).rate_flops))
     if owned is None:  # offers a better, no dearer one stands in for (provision_dominance)

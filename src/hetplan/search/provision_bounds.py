@@ -39,6 +39,7 @@ from functools import lru_cache
 import numpy as np
 
 from hetplan.cluster import Node
+from hetplan.cost.dp_sync import reduction_floor_s
 from hetplan.cost.estimate import StageKey, stage_times
 from hetplan.cost.params import CostParams
 from hetplan.hardware import GPUType
@@ -77,6 +78,11 @@ class TypeFloor:
     layer_back_tp: tuple[tuple[float, ...], ...] = ()
     """``layer_back_tp[i][k]``: fastest backward alone of one layer at micro-batch size i
     and TP ``tps[k]`` (a stage's backward, ``provision_batch``'s pipeline drain)."""
+    reduce_tp: tuple[tuple[float, ...], ...] = ()
+    """``reduce_tp[k][n]``: what one layer's gradient reduction among n data-parallel
+    holders costs a device holding it at TP ``tps[k]`` beside no compute, whatever the ZeRO
+    stage (``dp_sync.reduction_floor_s``), n from 0 to the global batch (the most pipelines
+    a plan has); empty without the node (no such floor)."""
 
 
 def micro_batches(global_batch: int) -> list[int]:
@@ -121,11 +127,14 @@ def type_floor(
     flash: bool,
     node: Node | None = None,
     overlap_tp: bool = True,
+    largest: int | None = None,
 ) -> TypeFloor:
     """Returns the floors of ``gpu`` in nodes of ``gpus_per_node`` (memoized), over every
     tensor-parallel degree dividing the node, with and without sequence parallelism. With
     the ``node`` (its intra-node link), each layer at TP > 1 also pays its tensor-parallel
-    collectives (``tp_comm_floor_s``; ``overlap_tp``: plans may overlap them)."""
+    collectives (``tp_comm_floor_s``; ``overlap_tp``: plans may overlap them); with the
+    node and ``largest`` (the most GPUs a node of any configuration holds), the gradient
+    reduction's floors ``reduce_tp``."""
     src = params.compute
 
     def make() -> TypeFloor:
@@ -166,10 +175,21 @@ def type_floor(
             src.action_overhead_s(gpu), 0.0
         )
         lt_, et_, ht_, bt_ = zip(*per_tp, strict=True)
+        reduce: tuple[tuple[float, ...], ...] = ()
+        if node is not None and largest is not None:
+            holders = range(global_batch + 1)
+            reduce = tuple(
+                tuple(reduction_floor_s(model, precision, tp, node, n, largest, params)
+                      for n in holders)
+                for tp in tps
+            )  # fmt: skip
         return TypeFloor(tuple(mbs), rates, layers, embeds, heads, fixed, tps, lt_, et_, ht_,
-                         bt_)  # fmt: skip
+                         bt_, reduce)  # fmt: skip
 
-    link = None if node is None else (node.gpu, node.intra_node_bytes_per_s, overlap_tp)
+    link = None
+    if node is not None:
+        link = (node.gpu, node.intra_node_bytes_per_s, overlap_tp, node.network_bytes_per_s,
+                node.gpus, largest)  # fmt: skip
     key = ("type_floor", model, gpu, gpus_per_node, global_batch, params.gpu(gpu.name),
            precision, flash, link)  # fmt: skip
     out: TypeFloor = src.cached(key, make)

@@ -33,7 +33,9 @@ of them, ``WEIGHTS``, is taken). A pipeline is of one of three kinds:
   per stage (the path in one of ``DRAIN_PATHS`` intervals) or interleaving (its path within
   T / 2, or p <= m < 2p stages, so more than m / 2: at least one GPU per stage, the cheaper
   type's weight for all but one of each type), and an interleaved one also meets the base
-  with two chunks' fixed costs per stage.
+  with two chunks' fixed costs per stage. Each type's stages also pay their layers'
+  gradient reduction among the fewest pipelines the mix can have (``provision_batch.Sync``,
+  at that type's own ``TypeFloor.reduce_tp``).
 
 With m in ranges [m_lo, m_hi] (budgets at m_lo, division by m_hi) and the costs made
 non-increasing in T (a longer time never needs more), the floor at each micro-batch size is
@@ -53,8 +55,12 @@ from hetplan.model import ModelSpec
 from hetplan.search.provision_batch import (
     INTERLEAVED_CHUNKS,
     Drain,
+    Sync,
+    _busiest_floor_s,
     _ranges,
     _table,
+    fewest_pipelines,
+    reduction_s,
     stage_caps,
 )
 from hetplan.search.provision_bounds import TypeFloor, path_floor_s
@@ -92,18 +98,20 @@ def _per_unit(
     extra: float,
     drain_budget: np.ndarray | None,
     chunks: int = 1,
+    sync: Sync | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Returns (rho, pi): the least GPUs per unit and the least path per unit over ``f``'s
     degrees at micro-batch size index i, stages within ``stage`` seconds per micro-batch
     (and their backward within ``drain_budget``) with at least ``chunks`` model chunks each
-    (each its fixed cost); inf where no stage holds a unit."""
+    (each its fixed cost); inf where no stage holds a unit. ``sync``: each layer's gradient
+    reduction on ``f`` too (``provision_batch.Sync``)."""
     tps = np.array(f.tps, dtype=float)
     times = np.array(f.layer_tp[i])
     fixed = chunks * max(f.fixed_s, 0.0)
     drain = None
     if drain_budget is not None:
         drain = Drain(drain_budget, np.array(f.layer_back_tp[i]), fixed / 2, extra)
-    caps = stage_caps(units, times, fixed, stage, None, drain)
+    caps = stage_caps(units, times, fixed, stage, None, drain, sync)
     with np.errstate(divide="ignore", invalid="ignore"):
         rho = np.where(caps > 0, tps / caps, np.inf).min(axis=-1)
         pi = np.where(caps > 0, times + fixed / caps, np.inf).min(axis=-1)
@@ -166,10 +174,17 @@ def _mixed_table(
     shape = (grid.size, m_lo.size)
     stage = np.broadcast_to(t / m_lo, shape)
     back = all(f.layer_back_tp for f in floors)
+    # each layer's gradient reduction among the fewest pipelines (provision_batch.Sync)
+    members = fewest_pipelines(m_total, _busiest_floor_s((fa, fb), i), grid)
+    sa, sb = (
+        Sync(reduction_s(f.reduce_tp, members)[:, None, :] / m_lo[None, :, None], extra)
+        if f.reduce_tp else None
+        for f in floors
+    )  # fmt: skip
 
     def cands(path: np.ndarray, budget: np.ndarray | None, chunks: int = 1) -> _Cands:
-        ra, pa = _per_unit(units, fa, i, stage, extra, budget, chunks)
-        rb, pb = _per_unit(units, fb, i, stage, extra, budget, chunks)
+        ra, pa = _per_unit(units, fa, i, stage, extra, budget, chunks, sa)
+        rb, pb = _per_unit(units, fb, i, stage, extra, budget, chunks, sb)
         return _candidates(units, ra, pa, rb, pb, np.broadcast_to(path, shape))
 
     base = cands(t - cut, None)
@@ -235,7 +250,7 @@ def mix_batch_floor_s(
         least = stages / m
         pure = []
         for f in floors:
-            own, kappa = _table(model, global_batch, (f,), i, stages)
+            own, kappa = _table(model, global_batch, (f,), i, stages, floors)
             pure.append(_pure_on(grid, own, kappa, least))
         floor_i = np.full(na.shape, grid[0])
         for j, (wa, wb) in enumerate(WEIGHTS):

@@ -114,6 +114,10 @@ class ProvisionJob:
     they stand in for are left out unplanned."""
     dominated: list[int] = field(default_factory=lambda: [0])
     """Configurations left out so far because a dominating offer stands in for them."""
+    largest: int | None = None
+    """The most GPUs a node of any configuration holds: a data-parallel group spans at
+    least one node per that many members beyond the first node's (the gradient reductions'
+    floors, ``TypeFloor.reduce_tp``); None: no such floor."""
 
     def tick(self, planned: int, pruned: int, best: list[Point]) -> None:
         """Counts configurations and tells ``progress`` (best: the fastest time to train)."""
@@ -141,7 +145,8 @@ class ProvisionJob:
 def offer_floor(job: ProvisionJob, offer: Offer) -> TypeFloor:
     node = offer.cluster(1).nodes[0]  # its intra-node link prices the TP collectives
     return type_floor(job.model, offer.gpu, offer.gpus_per_node, job.global_batch, job.params,
-                      job.precision, job.flash, node, job.limits.overlap_tp_comm)  # fmt: skip
+                      job.precision, job.flash, node, job.limits.overlap_tp_comm,
+                      job.largest)  # fmt: skip
 
 
 def gpu_memory(job: ProvisionJob, offer: Offer) -> float:
