@@ -196,3 +196,61 @@ def test_a_limit_never_trains_faster_on_spot():
             assert free[n] <= t * (1 + 1e-9), (pp, n, free[n], t)
             beaten += free[n] < t * (1 - 1e-6)
     assert beaten >= 1
+
+
+def test_idle_nodes_never_lower_the_slowdown_by_hand():
+    """A plan on one offer's nodes of a two-offer mix trains no faster there than on those
+    nodes alone: the other nodes' preemptions stop the run too. By hand, a: 1 preemption an
+    hour costing 300 s, b adds 2 costing 150 s; fixed interval 1200 s, no stall: a alone
+    loses (300 + 600) / 3600 of the time (slowdown 4/3), the mix 2400 / 3600 (slowdown 3).
+    And over random loads, checkpoint times and Young's interval, the mix's is never less."""
+    a, b = (1 / 3600, 300.0), (2 / 3600, 150.0)
+    assert slowdowns(*a, SpotTerms(1200.0), 0.0) == pytest.approx(4 / 3)
+    assert slowdowns(*mixed_load([a, b]), SpotTerms(1200.0), 0.0) == pytest.approx(3.0)
+    rng = np.random.default_rng(5)
+    for _ in range(500):
+        a = (rng.uniform(0, 3) / 3600, rng.uniform(0, 900))
+        b = (rng.uniform(0, 3) / 3600, rng.uniform(0, 900))
+        c = rng.uniform(0, 120)
+        terms = SpotTerms() if rng.random() < 0.5 else SpotTerms(rng.uniform(60, 3600))
+        alone = slowdowns(*a, terms, c)
+        both = slowdowns(*mixed_load([a, b]), terms, c)
+        assert both >= alone * (1 - 1e-12) or math.isinf(both)
+
+
+def test_spot_mixes_front_is_the_same_without_the_single_type_baseline(monkeypatch):
+    """Provisioning's mixes leave out the search's single-type baseline (such a plan is the
+    single-type configuration's, which dominates it): the spot front with mixes, every mix
+    planned, is the same as with the baseline searched on every mix."""
+    from hetplan.search import heterogeneous
+    from hetplan.search.provision import provision
+
+    market = market_from_dict(
+        {
+            "offers": [
+                {"gpu": "A100-80GB", "gpus_per_node": 2, "max_nodes": 3,
+                 "on_demand_usd_per_gpu_hour": 3.43, "spot_usd_per_gpu_hour": 1.2,
+                 "preemption_rate_per_node_hour": 0.2},
+                {"gpu": "T4", "gpus_per_node": 2, "max_nodes": 3,
+                 "on_demand_usd_per_gpu_hour": 0.53, "spot_usd_per_gpu_hour": 0.2,
+                 "preemption_rate_per_node_hour": 0.05},
+            ]
+        }
+    )  # fmt: skip
+    model = load_model("gpt2")
+
+    def front():
+        got = provision(model, market, 1e9, 16, "fp16", spot=True, mixes=True, prune=False)
+        assert sum(len(p.gpus) == 2 for p in got.points) == 9  # every mix has a plan
+        return [(p.gpus, p.time_to_train_s, p.total_cost_usd) for p in got.front]
+
+    without = front()
+    assert len(without) >= 2
+    search = heterogeneous.search_heterogeneous
+
+    def with_baseline(*args, **kwargs):
+        kwargs["single_type"] = True
+        return search(*args, **kwargs)
+
+    monkeypatch.setattr(heterogeneous, "search_heterogeneous", with_baseline)
+    assert front() == without

@@ -87,15 +87,18 @@ def search_heterogeneous(
     progress: ProgressHook | None = None,
     cache: SearchCache | None = None,
     ceiling_s: float = math.inf,
+    single_type: bool = True,
 ) -> HeteroResult:
     """Returns the top-k plans on a mixed cluster, best first, with both baselines (only
     plans the constraints allow); ``progress`` is told after every estimate; ``cache``:
     work shared with other searches of the model (``het_cache``; the same answer);
     ``ceiling_s``: only plans faster than this are sought (the caller has better ones): the
-    top-k of those, and none where the bounds prove that none is."""
+    top-k of those, and none where the bounds prove that none is; ``single_type`` False:
+    without the single-type baseline (a caller that plans every single-type configuration
+    on its own: provisioning's mixes)."""
     return search_with(model, cluster, global_batch, precision, top_k, params, flash_attention,
                        constraints=constraints, progress=progress, cache=cache,
-                       ceiling_s=ceiling_s)  # fmt: skip
+                       ceiling_s=ceiling_s, single_type=single_type)  # fmt: skip
 
 
 def search_with(
@@ -112,6 +115,7 @@ def search_with(
     progress: ProgressHook | None = None,
     cache: SearchCache | None = None,
     ceiling_s: float = math.inf,
+    single_type: bool = True,
 ) -> HeteroResult:
     """Returns what ``search_heterogeneous`` does; ``prune=False`` turns off every bound
     (to check that pruning loses nothing); ``enumerate_budget=0`` skips the enumeration."""
@@ -132,10 +136,12 @@ def search_with(
     require_mixed_schedule(constraints, "mixed clusters")
     if constraints.flash_attention is not None:
         flash_attention = constraints.flash_attention
-    single, more = best_single_type(
-        model, cluster, global_batch, precision, params, flash_attention, constraints, cache
-    )
-    notes += more
+    single = None
+    if single_type:
+        single, more = best_single_type(
+            model, cluster, global_batch, precision, params, flash_attention, constraints, cache
+        )
+        notes += more
     uniform = best_uniform(model, cluster, global_batch, precision, params, flash_attention,
                            constraints, ceiling_s if prune else math.inf)  # fmt: skip
     baselines = {"single_type": single, "uniform": uniform}

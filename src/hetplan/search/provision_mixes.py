@@ -157,7 +157,13 @@ def explore_mixes(
     from which the points found dominate the mix (``dominated_from_s`` over the iterations
     and the mix's least slowdown: its ``ceiling_s``), so that its bounds cut the rest.
     Nothing is left unexplored, unless ``job.stop_at`` passes (checked before each mix): the
-    live mixes are then returned with their bounds."""
+    live mixes are then returned with their bounds.
+
+    The search leaves out its single-type baseline: a plan on one type's nodes of a mix is a
+    plan of the single-type configuration of that many nodes, whose own point (planned or
+    pruned: every count of every offer is) is at least as fast, its slowdown no larger (the
+    idle nodes' preemptions add to the rate and to the cost of each: the useful share only
+    falls) and its price lower, so it dominates the mix's."""
     from hetplan.search.het_cache import SearchCache
     from hetplan.search.heterogeneous import search_heterogeneous
 
@@ -202,8 +208,8 @@ def explore_mixes(
             k: int, cluster: Cluster = cluster, cut: float = cut
         ) -> list[tuple[Plan, Estimate]]:
             return search_heterogeneous(model, cluster, global_batch, precision, k, params,
-                                        flash, job.limits, cache=cache,
-                                        ceiling_s=cut).ranked  # fmt: skip
+                                        flash, job.limits, cache=cache, ceiling_s=cut,
+                                        single_type=False).ranked  # fmt: skip
 
         load = None  # on spot, the plan's own checkpoint time (its largest node's state)
         if spot:
