@@ -109,24 +109,30 @@ def test_provisioning_slowdown_equals_the_replay_long_run(nodes):
     assert replay == pytest.approx(closed, rel=0.03)
 
 
+def _a100_t4_spot_market(nodes: int, rates: tuple[float, float]):
+    """Two-GPU nodes of A100 80GB and T4, up to ``nodes`` each, at spot prices and these
+    preemptions per node-hour."""
+    return market_from_dict(
+        {
+            "offers": [
+                {"gpu": "A100-80GB", "gpus_per_node": 2, "max_nodes": nodes,
+                 "on_demand_usd_per_gpu_hour": 3.43, "spot_usd_per_gpu_hour": 1.2,
+                 "preemption_rate_per_node_hour": rates[0]},
+                {"gpu": "T4", "gpus_per_node": 2, "max_nodes": nodes,
+                 "on_demand_usd_per_gpu_hour": 0.526, "spot_usd_per_gpu_hour": 0.2,
+                 "preemption_rate_per_node_hour": rates[1]},
+            ]
+        }
+    )  # fmt: skip
+
+
 def test_spot_provisioning_bounds_hold_and_use_the_plan_checkpoint():
     """Every planned spot point (single types and mixes, nothing pruned) is at least the
     bound the search held for it, and its time is the on-demand time stretched by the
     slowdown of its own plan's checkpoint time at Young's interval."""
     from hetplan.search.provision import provision
 
-    market = market_from_dict(
-        {
-            "offers": [
-                {"gpu": "A100-80GB", "gpus_per_node": 2, "max_nodes": 2,
-                 "on_demand_usd_per_gpu_hour": 3.43, "spot_usd_per_gpu_hour": 1.2,
-                 "preemption_rate_per_node_hour": 0.5},
-                {"gpu": "T4", "gpus_per_node": 2, "max_nodes": 2,
-                 "on_demand_usd_per_gpu_hour": 0.526, "spot_usd_per_gpu_hour": 0.2,
-                 "preemption_rate_per_node_hour": 0.3},
-            ]
-        }
-    )  # fmt: skip
+    market = _a100_t4_spot_market(2, (0.5, 0.3))
     model = load_model("gpt2")
     res = provision(model, market, 1e9, 16, "fp16", spot=True, mixes=True, prune=False)
     assert len(res.points) == 8
@@ -225,18 +231,7 @@ def test_spot_mixes_front_is_the_same_without_the_single_type_baseline(monkeypat
     from hetplan.search import heterogeneous
     from hetplan.search.provision import provision
 
-    market = market_from_dict(
-        {
-            "offers": [
-                {"gpu": "A100-80GB", "gpus_per_node": 2, "max_nodes": 3,
-                 "on_demand_usd_per_gpu_hour": 3.43, "spot_usd_per_gpu_hour": 1.2,
-                 "preemption_rate_per_node_hour": 0.2},
-                {"gpu": "T4", "gpus_per_node": 2, "max_nodes": 3,
-                 "on_demand_usd_per_gpu_hour": 0.53, "spot_usd_per_gpu_hour": 0.2,
-                 "preemption_rate_per_node_hour": 0.05},
-            ]
-        }
-    )  # fmt: skip
+    market = _a100_t4_spot_market(3, (0.2, 0.05))
     model = load_model("gpt2")
 
     def front():
