@@ -362,7 +362,8 @@ def _gpu_table(
     if reduce_:
         members = fewest_pipelines(m_total, busy_s, grid)
         per = reduction_s(reduce_, members)[:, None, :] / m_lo[None, :, None]
-        sync = Sync(per, float(extra))
+        if per.any():  # else one pipeline could finish at every grid time: none charged
+            sync = Sync(per, float(extra))
     g = least_gpus(units, tps, times, fixed, stage, path, sync=sync)
     if back_:
         g = np.maximum(g, _schedule_gpus(units, extra, tps, times, fixed, cut, lo, grid, m_lo,
