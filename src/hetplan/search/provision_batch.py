@@ -65,7 +65,7 @@ reduction(t, R)) + m fixed, in every family above. R is at least the fewest pipe
 can share the batch (``fewest_pipelines``): a stage holding a layer is busy at least the
 configuration's fastest layer and least fixed cost per micro-batch, so a pipeline runs at
 most T / that of them. One pipeline (R = 1) reduces nothing. On the default spot market
-(GPT-3 1.3B) 24,799 live mixes become 23,887, for 6 more CPU seconds of bounds.
+(GPT-3 1.3B) 24,799 live mixes become 23,887, for about 3 more CPU seconds of bounds.
 
 The floor is the least over the micro-batch sizes (divisors of the global batch); it reads
 the same ``TypeFloor`` tables (``params.compute``) as the other floors.
