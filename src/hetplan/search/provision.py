@@ -64,10 +64,14 @@ from hetplan.search.spot import (
 )
 from hetplan.units import duration_text
 
-PROVISION_SPACE = SearchSpace(zero_stages=(0, 1, 2, 3), max_virtual_stages=4, zero0_has_twin=True)
-"""ZeRO-0 is dominated by ZeRO-1 (same traffic, less memory, a sharded optimizer step)
-wherever a plan has several replicas; a single replica has only ZeRO-0 (it was left out
-with the rest: a configuration whose best plan is one pipeline was priced by a slower one)."""
+PROVISION_SPACE = SearchSpace(zero_stages=(0, 1, 2, 3), max_virtual_stages=8, zero0_has_twin=True)
+"""``plan``'s space (up to 8 model chunks a stage, as the heterogeneous search's single-type
+baseline: a mix's plan on one type's nodes is then never faster than that configuration's
+own, ``provision_mixes.explore_mixes``; with 4, GPT-3 175B's fastest point on the default
+market took 7.82 days where 7.76 is reachable), less ZeRO-0 where it is dominated by ZeRO-1
+(same traffic, less memory, a sharded optimizer step): wherever a plan has several
+replicas; a single replica has only ZeRO-0 (it was left out with the rest: a configuration
+whose best plan is one pipeline was priced by a slower one)."""
 
 
 @dataclass(frozen=True)
