@@ -216,6 +216,18 @@ def reduction_s(reduce: tuple[tuple[float, ...], ...], members: np.ndarray) -> n
     return np.moveaxis(table[:, at], 0, -1)
 
 
+def grid_sync(
+    reduce: tuple[tuple[float, ...], ...], members: np.ndarray, m_lo: np.ndarray, loose: float
+) -> Sync | None:
+    """Returns the ``Sync`` of a table's (grid time, micro-batch range) cells: the reduction
+    ``reduce`` charges among ``members`` holders per grid time, over the range's m_lo
+    micro-batches; None where nothing is charged (no table, or one pipeline at every time)."""
+    if not reduce:
+        return None
+    per = reduction_s(reduce, members)[:, None, :] / m_lo[None, :, None]
+    return Sync(per, loose) if per.any() else None
+
+
 def _ranges(top: int, exact: int, ratio: float) -> list[tuple[int, int]]:
     """Returns [lo, hi] ranges covering 1..top: one by one up to ``exact``, then growing."""
     out, lo = [], 1
@@ -358,12 +370,7 @@ def _gpu_table(
     path = np.broadcast_to(t - cut, (grid.size, m_lo.size))
     units = layers + extra
     stage = t / m_lo
-    sync = None
-    if reduce_:
-        members = fewest_pipelines(m_total, busy_s, grid)
-        per = reduction_s(reduce_, members)[:, None, :] / m_lo[None, :, None]
-        if per.any():  # else one pipeline could finish at every grid time: none charged
-            sync = Sync(per, float(extra))
+    sync = grid_sync(reduce_, fewest_pipelines(m_total, busy_s, grid), m_lo, float(extra))
     g = least_gpus(units, tps, times, fixed, stage, path, sync=sync)
     if back_:
         g = np.maximum(g, _schedule_gpus(units, extra, tps, times, fixed, cut, lo, grid, m_lo,

@@ -60,7 +60,7 @@ from hetplan.search.provision_batch import (
     _ranges,
     _table,
     fewest_pipelines,
-    reduction_s,
+    grid_sync,
     stage_caps,
 )
 from hetplan.search.provision_bounds import TypeFloor, path_floor_s
@@ -176,9 +176,7 @@ def _mixed_table(
     back = all(f.layer_back_tp for f in floors)
     # each layer's gradient reduction among the fewest pipelines (provision_batch.Sync)
     members = fewest_pipelines(m_total, _busiest_floor_s((fa, fb), i), grid)
-    pers = [reduction_s(f.reduce_tp, members)[:, None, :] / m_lo[None, :, None]
-            if f.reduce_tp else None for f in floors]  # fmt: skip
-    sa, sb = (Sync(p, extra) if p is not None and p.any() else None for p in pers)
+    sa, sb = (grid_sync(f.reduce_tp, members, m_lo, extra) for f in floors)
 
     def cands(path: np.ndarray, budget: np.ndarray | None, chunks: int = 1) -> _Cands:
         ra, pa = _per_unit(units, fa, i, stage, extra, budget, chunks, sa)
