@@ -18,6 +18,7 @@ from hetplan.cluster import load_cluster
 from hetplan.cost.estimate import estimate
 from hetplan.model import load_model
 from hetplan.plan import load_plan
+from hetplan.runtime.checkpoint import LATEST, step_dir_name
 from hetplan.runtime.config import RunConfig
 from hetplan.runtime.launch import run_local
 from hetplan.runtime.layout import build_layout
@@ -210,55 +211,72 @@ def test_bf16_zero_memory_is_the_cost_models(
         assert peak["bf16"] < 0.85 * peak["fp32"]
 
 
+@pytest.fixture(scope="module")
+def bf16_runs(
+    tmp_path_factory: pytest.TempPathFactory, inputs: dict[str, Path], write_plan: Any
+) -> dict[str, Any]:
+    """Three bf16 steps on 3 replicas under each ZeRO stage, checkpointed after every step
+    (the tests read step 3, and resume from step 2): plans, inputs, roots and records."""
+    root = tmp_path_factory.mktemp("bf16")
+    bf = _bf16_inputs(inputs, root)
+    plans, roots, records = {}, {}, {}
+    for stage in (0, 1, 2, 3):
+        plans[stage] = write_plan(root / f"z{stage}.json", DP3, zero_stage=stage,
+                                  precision="bf16")  # fmt: skip
+        roots[stage] = root / f"c{stage}"
+        cfg = _cfg(plans[stage], bf, roots[stage], steps=3, checkpoint_every=1)
+        records[stage] = run_local(cfg, timeout_s=300)
+    return {"inputs": bf, "plans": plans, "roots": roots, "records": records}
+
+
+def _from_step(root: Path, step: int, work: Path) -> Path:
+    """Copies checkpoint ``step`` of ``root`` alone into ``work``, named the latest there."""
+    name = step_dir_name(step)
+    shutil.copytree(root / name, work / name)
+    (work / LATEST).write_text(name)
+    return work
+
+
 @pytest.mark.distributed
+@pytest.mark.xdist_group("bf16_zero")
 @pytest.mark.parametrize("stage", [0, 1])
 def test_bf16_checkpoint_keeps_the_fp32_master(
-    tmp_path: Path, inputs: dict[str, Path], write_plan: Any, stage: int
+    tmp_path: Path, bf16_runs: dict[str, Any], stage: int
 ) -> None:
     """bf16 on 3 replicas, the modules on bf16 parameters (ZeRO-1: a padded buffer, shards
     cutting parameters, fp32 master shards; ZeRO-0: whole fp32 masters): the checkpoint
-    holds the fp32 masters, not the bf16 parameters (values bf16 cannot represent), and 2
-    steps + a resumed 3rd end where 3 straight steps do, to the bit (resuming from
-    bf16-rounded weights would not); ZeRO-2 follows ZeRO-1 within fp32 rounding (its
-    gradients are summed in another order)."""
+    holds the fp32 masters, not the bf16 parameters (values bf16 cannot represent), and a
+    3rd step resumed from step 2's checkpoint ends where 3 straight steps do, to the bit
+    (resuming from bf16-rounded weights would not); ZeRO-2 follows ZeRO-1 within fp32
+    rounding (its gradients are summed in another order)."""
     import torch
 
-    bf = _bf16_inputs(inputs, tmp_path)
-    plan = write_plan(tmp_path / "p.json", DP3, zero_stage=stage, precision="bf16")
-    straight = run_local(_cfg(plan, bf, tmp_path / "straight", steps=3), timeout_s=300)
-    want = checkpoint_params(tmp_path / "straight")
+    straight = bf16_runs["roots"][stage]
+    want = checkpoint_params(straight)
     assert all(t.dtype == torch.float32 for t in want.values())
     assert any(bool((t.to(torch.bfloat16).float() != t).any()) for t in want.values())
 
-    run_local(_cfg(plan, bf, tmp_path / "ckpt", steps=2), timeout_s=300)
-    work = tmp_path / "resumed"
-    shutil.copytree(tmp_path / "ckpt", work)
-    record = run_local(_cfg(plan, bf, work, steps=3, resume=True), timeout_s=300)
+    work = _from_step(straight, 2, tmp_path / "resumed")
+    cfg = _cfg(bf16_runs["plans"][stage], bf16_runs["inputs"], work, steps=3, resume=True)
+    record = run_local(cfg, timeout_s=300)
+    assert [s["step"] for s in record["steps"]] == [3]
     got = checkpoint_params(work)
     assert all(torch.equal(got[k], want[k]) for k in want)
-    assert record["steps"][0]["loss"] == straight["steps"][2]["loss"]
+    assert record["steps"][0]["loss"] == bf16_runs["records"][stage]["steps"][2]["loss"]
 
-    if stage == 0:
-        return
-    two = write_plan(tmp_path / "z2.json", DP3, zero_stage=2, precision="bf16")
-    run_local(_cfg(two, bf, tmp_path / "z2", steps=3), timeout_s=300)
-    assert max_relative_error(checkpoint_params(tmp_path / "z2"), want) <= 1e-5
+    if stage == 1:
+        two = checkpoint_params(bf16_runs["roots"][2])
+        assert max_relative_error(two, want) <= 1e-5
 
 
 @pytest.mark.distributed
-def test_bf16_zero_stages_run_one_program(
-    tmp_path: Path, inputs: dict[str, Path], write_plan: Any
-) -> None:
+@pytest.mark.xdist_group("bf16_zero")
+def test_bf16_zero_stages_run_one_program(bf16_runs: dict[str, Any]) -> None:
     """In bf16 every ZeRO stage runs the same mixed-precision program (2-byte parameters
     and activations, fp32 masters, gradients and AdamW state): after 3 steps on 3 replicas
     their fp32 masters agree to fp32 rounding (sums in another order). ZeRO-3's layers
     gathered in fp32 under autocast instead kept the residual stream in fp32: a different
     program, 1e-3 away."""
-    bf = _bf16_inputs(inputs, tmp_path)
-    got = {}
-    for stage in (0, 1, 2, 3):
-        plan = write_plan(tmp_path / f"z{stage}.json", DP3, zero_stage=stage, precision="bf16")
-        run_local(_cfg(plan, bf, tmp_path / f"c{stage}", steps=3), timeout_s=300)
-        got[stage] = checkpoint_params(tmp_path / f"c{stage}")
+    got = {stage: checkpoint_params(bf16_runs["roots"][stage]) for stage in (0, 1, 2, 3)}
     for stage in (1, 2, 3):
         assert max_relative_error(got[stage], got[0]) <= 1e-5, stage
