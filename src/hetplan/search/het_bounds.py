@@ -74,23 +74,27 @@ def pipeline_bound_s(
     p, v = len(fwd_c), len(fwd_c[0])
     if not replay_is_exact(p, m, v):
         return closed_bound_s(m, fwd_c, bwd_c, send_s, opt_s)
-    ends = last_backward_ends(schedule, m, fwd_c, bwd_c, send_s)
+    ends, _ = last_backward_spans(schedule, m, fwd_c, bwd_c, send_s)
     return max(e + o for e, o in zip(ends, opt_s, strict=True)) * (1.0 - 1e-9)
 
 
-def last_backward_ends(
+def last_backward_spans(
     schedule: str,
     m: int,
     fwd_c: list[list[float]],
     bwd_c: list[list[float]],
     send_s: list[float],
-) -> list[float]:
-    """Returns each stage's last backward end in the replay of these times (where
-    ``replay_is_exact``: ``pipeline_bound_s``)."""
+) -> tuple[list[float], list[float]]:
+    """Returns each stage's last backward end, and when its gradients start to become
+    ready (``Replay.grads_ready_from_s``: its last backward's start, interleaved the
+    earliest final backward of a chunk), in the replay of these times (where
+    ``replay_is_exact``: ``pipeline_bound_s``). Both only grow with every duration."""
     p, v = len(fwd_c), len(fwd_c[0])
     if p == 1 and v == 1:
-        return [m * (fwd_c[0][0] + bwd_c[0][0])]
-    return replay(schedule, m, v, fwd_c, bwd_c, list(send_s)).last_backward_end_s
+        end = m * (fwd_c[0][0] + bwd_c[0][0])
+        return [end], [end - bwd_c[0][0]]
+    rep = replay(schedule, m, v, fwd_c, bwd_c, list(send_s))
+    return rep.last_backward_end_s, rep.grads_ready_from_s
 
 
 def closed_bound_s(
@@ -157,6 +161,8 @@ class _Row:
     """Per stage: its node, TP degree and layers (its reduction's tail)."""
     ends: list[float] | None
     """Per stage, its last backward's end in the proven replay; None: the closed form."""
+    ready: list[float] | None = None
+    """Per stage, when its gradients start to become ready in that replay (with ``ends``)."""
 
 
 LAYOUT_MEMO = 4096
@@ -175,7 +181,7 @@ class PlanBounds:
         model: ModelSpec,
         cluster: Cluster,
         params: CostParams,
-        pipes: dict[tuple[object, ...], list[float]] | None = None,
+        pipes: dict[tuple[object, ...], tuple[list[float], list[float]]] | None = None,
     ) -> None:
         self.model = model
         self.cluster = cluster
@@ -183,10 +189,12 @@ class PlanBounds:
         self._nodes: dict[str, Node] = {}
         self._stage: dict[tuple[object, ...], tuple[float, ...]] = {}
         self._opt: dict[tuple[object, ...], float] = {}
-        self._pipe: dict[tuple[object, ...], list[float]] = {} if pipes is None else pipes
+        self._pipe: dict[tuple[object, ...], tuple[list[float], list[float]]] = (
+            {} if pipes is None else pipes
+        )
         self._plans: dict[tuple[object, ...], float] = {}
         self._rows: dict[tuple[object, ...], list[_Row]] = {}
-        self._tails: dict[tuple[object, ...], float] = {}
+        self._tails: dict[tuple[object, ...], tuple[float, float]] = {}
         self._largest = max((n.gpus for n in cluster.nodes), default=1)
         self._layouts: dict[tuple[Hashed, bool], tuple[dict[str, int], list[int]]] = {}
         self._hashes: dict[int, Hashed] = {}
@@ -260,15 +268,22 @@ class PlanBounds:
 
     def _combine(self, plan: Plan, rows: list[_Row], kind: tuple[float, bool] | None) -> float:
         """Returns the bound from each distinct pipeline's row, every stage's optimizer
-        step with its reduction's tail after its last backward."""
+        step with its reduction's tail after its last backward, and no earlier than its
+        reductions' whole time after its gradients start to be ready (where replayed)."""
         out = 0.0
         for row in rows:
             opt = row.opt
             if kind is not None:
-                pairs = zip(row.opt, row.stages, strict=True)
-                opt = [
-                    o + self._tail(node, tp, layers, plan, kind) for o, (node, tp, layers) in pairs
+                tails = [
+                    self._tail(node, tp, layers, plan, kind) for node, tp, layers in row.stages
                 ]
+                opt = [o + t for o, (t, _) in zip(row.opt, tails, strict=True)]
+                if row.ends is not None and row.ready is not None:
+                    # the reductions start no earlier than the first gradients and run whole
+                    parts = zip(row.ends, row.ready, tails, row.opt, strict=True)
+                    b = max(max(e + t, r + whole) + o for e, r, (t, whole), o in parts)
+                    out = max(out, b * (1.0 - 1e-9))
+                    continue
             if row.ends is not None:
                 b = max(e + o for e, o in zip(row.ends, opt, strict=True)) * (1.0 - 1e-9)
             else:
@@ -278,21 +293,25 @@ class PlanBounds:
 
     def _tail(
         self, node: Node, tp: int, layers: int, plan: Plan, kind: tuple[float, bool]
-    ) -> float:
-        """Returns a lower bound of what a stage of ``layers`` layers at TP ``tp`` on
-        ``node`` waits for its gradient reduction after its last backward in ``estimate``
-        (memoised): every one of the plan's ``dp`` pipelines holds every layer, so each
-        layer's ``dp_sync.reduction_floor_s`` among ``dp`` holders (the embedding and the head
-        left out); ``estimate`` ends the stage no earlier than its last backward, every
-        reduction's unhidden part (``sharding.unhidden_sync_s``, all of it without overlap),
-        then its optimizer step."""
+    ) -> tuple[float, float]:
+        """Returns lower bounds of a stage's gradient reductions in ``estimate``, for
+        ``layers`` layers at TP ``tp`` on ``node`` (memoised): what it waits for after its
+        last backward, and their whole time. Every one of the plan's ``dp`` pipelines holds
+        every layer, so each layer's ``dp_sync.reduction_floor_s`` among ``dp`` holders (the
+        embedding and the head left out). ``estimate`` ends the stage no earlier than its
+        last backward, every reduction's unhidden part (``sharding.unhidden_sync_s``, all
+        of it without overlap), then its optimizer step; and its reductions run one after
+        another on its link, each once its first bucket is ready on every holder, so no
+        earlier than its own gradients start to be ready (``Replay.grads_ready_from_s``)."""
         key = (id(node), tp, layers, plan.dp, kind)
         hit = self._tails.get(key)
         if hit is None:
             per_param, overlap = kind
             one = reduction_floor_s(self.model, plan.precision, tp, node, plan.dp, self._largest,
                                     self.params, per_param, overlap)  # fmt: skip
-            hit = self._tails[key] = layers * one
+            whole = reduction_floor_s(self.model, plan.precision, tp, node, plan.dp,
+                                      self._largest, self.params, per_param, False)  # fmt: skip
+            hit = self._tails[key] = (layers * one, layers * whole)
         return hit
 
     def _hashed(self, pipelines: tuple[Pipeline, ...]) -> Hashed:
@@ -375,15 +394,16 @@ class PlanBounds:
                 fc, bc = chunk_times(fwd[j], bwd[j], w, v, parts[j])  # type: ignore[arg-type]
                 fwd_c.append(fc)
                 bwd_c.append(bc)
-            ends = None
+            ends = ready = None
             if exact and replay_is_exact(p, m, v):
                 pkey = (plan.schedule, m, tuple(map(tuple, fwd_c)), tuple(map(tuple, bwd_c)),
                         tuple(sends))  # fmt: skip
-                ends = self._pipe.get(pkey)
-                if ends is None:
-                    ends = self._pipe[pkey] = last_backward_ends(
+                spans = self._pipe.get(pkey)
+                if spans is None:
+                    spans = self._pipe[pkey] = last_backward_spans(
                         plan.schedule, m, fwd_c, bwd_c, sends
                     )
+                ends, ready = spans
             desc = [(nodes[j], st.tp, st.layers) for j, st in enumerate(pipe.stages)]
-            out.append(_Row(m, fwd_c, bwd_c, sends, opt, desc, ends))
+            out.append(_Row(m, fwd_c, bwd_c, sends, opt, desc, ends, ready))
         return out

@@ -46,7 +46,7 @@ class SearchCache:
     acts: dict[tuple[object, ...], float] = field(default_factory=dict)
     tables: dict[tuple[object, ...], TableCaches] = field(default_factory=dict)
     frontiers: FrontierCache = field(default_factory=dict)
-    pipes: dict[tuple[object, ...], list[float]] = field(default_factory=dict)
+    pipes: dict[tuple[object, ...], tuple[list[float], list[float]]] = field(default_factory=dict)
     """Pipelines' last backward ends by their stage times (``PlanBounds``)."""
     homogeneous: dict[tuple[object, ...], object] = field(default_factory=dict)
     """Single-type baselines: the top plan (or None), or the InputError raised."""
