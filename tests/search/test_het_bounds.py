@@ -219,10 +219,10 @@ def test_plan_bound_charges_the_whole_reduction_after_the_first_gradients():
     """Four A100-80GB on four nodes joined by 1 Gbit/s, GPT-2-sized, one micro-batch each:
     every layer's gradients cross the network, and the reduction (4 x 0.5 GB of fp32
     gradients in a ring at 0.125 GB/s: seconds) dwarfs the backward that could hide it (tens
-    of ms). ``estimate`` runs it whole from the last backward's start; the floor of what no
-    overlap hides ((1 - 0.85) of it) alone gave 0.77 s of 9.9. The bound now also charges
-    the whole floor from the first gradients on: 5.2 s, over half (the floor leaves out the
-    embedding's and head's reductions and the network's efficiency), never above it."""
+    of ms). ``estimate`` runs it whole from the last backward's start. The floor of what no
+    overlap hides ((1 - 0.85) of the layers' reductions) alone gave 0.77 s of 9.9; with the
+    whole floor charged from the first gradients on, 5.2 s; with the embedding's and head's
+    reductions too (a third of GPT-2's parameters), within 1% of ``estimate``, never above."""
     from hetplan.cluster import cluster_from_dict
 
     nodes = [{"name": f"n{i}", "gpu": "A100-80GB", "gpus": 1, "network_bandwidth": "1Gbit/s"}
@@ -238,4 +238,4 @@ def test_plan_bound_charges_the_whole_reduction_after_the_first_gradients():
     total = est.breakdown["data_parallel_sync_total_s"]
     assert total > 10 * (est.breakdown["backward_s"])  # the case is what it claims
     assert bound <= est.iteration_time_s
-    assert bound >= 0.5 * est.iteration_time_s
+    assert bound >= 0.99 * est.iteration_time_s

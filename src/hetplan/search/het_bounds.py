@@ -17,7 +17,13 @@ from hetplan.cluster import Cluster, Node
 from hetplan.cost import comm
 from hetplan.cost.dp_sync import reduction_bytes_per_param, reduction_floor_s
 from hetplan.cost.estimate import StageKey, p2p_wait_s, part_split, stage_times
-from hetplan.cost.memory import held_chunks, stage_activation_bytes, stage_params, stage_state
+from hetplan.cost.memory import (
+    edge_params,
+    held_chunks,
+    stage_activation_bytes,
+    stage_params,
+    stage_state,
+)
 from hetplan.cost.params import CostParams
 from hetplan.cost.pipeline_classes import pipeline_classes, pipeline_talkers
 from hetplan.cost.schedule import EXACT_ACTION_LIMIT, held_layers, peak_in_flight, replay
@@ -274,8 +280,10 @@ class PlanBounds:
         for row in rows:
             opt = row.opt
             if kind is not None:
+                p = len(row.stages)
                 tails = [
-                    self._tail(node, tp, layers, plan, kind) for node, tp, layers in row.stages
+                    self._tail(node, tp, layers, plan, kind, (j == 0, j == p - 1, p == 1))
+                    for j, (node, tp, layers) in enumerate(row.stages)
                 ]
                 opt = [o + t for o, (t, _) in zip(row.opt, tails, strict=True)]
                 if row.ends is not None and row.ready is not None:
@@ -292,18 +300,27 @@ class PlanBounds:
         return out
 
     def _tail(
-        self, node: Node, tp: int, layers: int, plan: Plan, kind: tuple[float, bool]
+        self,
+        node: Node,
+        tp: int,
+        layers: int,
+        plan: Plan,
+        kind: tuple[float, bool],
+        edges: tuple[bool, bool, bool],
     ) -> tuple[float, float]:
         """Returns lower bounds of a stage's gradient reductions in ``estimate``, for
         ``layers`` layers at TP ``tp`` on ``node`` (memoised): what it waits for after its
         last backward, and their whole time. Every one of the plan's ``dp`` pipelines holds
-        every layer, so each layer's ``dp_sync.reduction_floor_s`` among ``dp`` holders (the
-        embedding and the head left out). ``estimate`` ends the stage no earlier than its
+        every layer, so each layer's ``dp_sync.reduction_floor_s`` among ``dp`` holders; and
+        the embedding and the head (``edges``: the stage is first, last, alone), which every
+        pipeline's first and last stage hold, at the same rate per parameter among at least
+        as many (``memory.edge_params``; a tied table's holders are both). ``estimate`` ends
+        the stage no earlier than its
         last backward, every reduction's unhidden part (``sharding.unhidden_sync_s``, all
         of it without overlap), then its optimizer step; and its reductions run one after
         another on its link, each once its first bucket is ready on every holder, so no
         earlier than its own gradients start to be ready (``Replay.grads_ready_from_s``)."""
-        key = (id(node), tp, layers, plan.dp, kind)
+        key = (id(node), tp, layers, plan.dp, kind, edges)
         hit = self._tails.get(key)
         if hit is None:
             per_param, overlap = kind
@@ -311,7 +328,9 @@ class PlanBounds:
                                     self.params, per_param, overlap)  # fmt: skip
             whole = reduction_floor_s(self.model, plan.precision, tp, node, plan.dp,
                                       self._largest, self.params, per_param, False)  # fmt: skip
-            hit = self._tails[key] = (layers * one, layers * whole)
+            # the embedding's and head's parameters, in layers' worth (the floor is linear)
+            units = layers + edge_params(self.model, tp, *edges) * tp / self.model.layer_params()
+            hit = self._tails[key] = (units * one, units * whole)
         return hit
 
     def _hashed(self, pipelines: tuple[Pipeline, ...]) -> Hashed:
