@@ -117,6 +117,31 @@ def test_plan_bounds_never_exceed_estimate(seed):
         assert bounds.fits(plan)[0] == est.fits
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_plan_bounds_hold_where_reductions_dominate(seed):
+    """The same random plans on networks 10 and 100 times slower, ZeRO 0 and 1, with and
+    without overlapping the reduction: the reductions (the bound's whole floor from the
+    first ready gradient, the embedding's and head's too) then make most of the
+    iteration, and the bound still never exceeds ``estimate``."""
+    from dataclasses import replace
+
+    from hetplan.cluster import Cluster
+
+    model, cluster, _, plans = _plans(seed, 12)
+    assert plans
+    params = default_params()
+    for slow in (10.0, 100.0):
+        nodes = [replace(n, network_bytes_per_s=n.network_bytes_per_s / slow)
+                 for n in cluster.nodes]  # fmt: skip
+        slowed = Cluster(nodes)
+        bounds = PlanBounds(model, slowed, params)
+        for plan in plans:
+            for zero, overlap in ((0, True), (1, True), (1, False)):
+                p = replace(plan, zero_stage=zero, overlap_grad_reduce=overlap)
+                est = estimate(p, model, slowed, params, validate=False)
+                assert bounds.bound_s(p) <= est.iteration_time_s
+
+
 @pytest.mark.parametrize("seed", range(12))
 def test_setting_bounds_never_exceed_estimate(seed):
     """The throughput bounds that skip whole knob settings and bands of pipelines."""
