@@ -175,7 +175,8 @@ def test_plan_bound_ends_stages_with_their_reduction(zero):
 
 
 class _Zero(dict):
-    """A memo that answers 0 for every key."""
+    """A memo of ``PlanBounds._tail`` that answers no reduction for every key (none after
+    the last backward, none in all)."""
 
     def get(self, key, default=None):
-        return 0.0
+        return (0.0, 0.0)
