@@ -167,8 +167,9 @@ class _Row:
     """Per stage: its node, TP degree and layers (its reduction's tail)."""
     ends: list[float] | None
     """Per stage, its last backward's end in the proven replay; None: the closed form."""
-    ready: list[float] | None = None
-    """Per stage, when its gradients start to become ready in that replay (with ``ends``)."""
+    ready: list[float] | None
+    """Per stage, when its gradients start to become ready in that replay (None with
+    ``ends``; never after its end)."""
 
 
 LAYOUT_MEMO = 4096
@@ -278,23 +279,20 @@ class PlanBounds:
         reductions' whole time after its gradients start to be ready (where replayed)."""
         out = 0.0
         for row in rows:
-            opt = row.opt
+            p = len(row.stages)
+            tails = [(0.0, 0.0)] * p  # after the last backward, whole
             if kind is not None:
-                p = len(row.stages)
                 tails = [
                     self._tail(node, tp, layers, plan, kind, (j == 0, j == p - 1, p == 1))
                     for j, (node, tp, layers) in enumerate(row.stages)
                 ]
-                opt = [o + t for o, (t, _) in zip(row.opt, tails, strict=True)]
-                if row.ends is not None and row.ready is not None:
-                    # the reductions start no earlier than the first gradients and run whole
-                    parts = zip(row.ends, row.ready, tails, row.opt, strict=True)
-                    b = max(max(e + t, r + whole) + o for e, r, (t, whole), o in parts)
-                    out = max(out, b * (1.0 - 1e-9))
-                    continue
-            if row.ends is not None:
-                b = max(e + o for e, o in zip(row.ends, opt, strict=True)) * (1.0 - 1e-9)
+            if row.ends is not None and row.ready is not None:
+                # the reductions start no earlier than the first gradients and run whole
+                parts = zip(row.ends, row.ready, tails, row.opt, strict=True)
+                b = max(max(e + t, r + whole) + o for e, r, (t, whole), o in parts)
+                b *= 1.0 - 1e-9
             else:
+                opt = [o + t for o, (t, _) in zip(row.opt, tails, strict=True)]
                 b = closed_bound_s(row.m, row.fwd, row.bwd, row.sends, opt)
             out = max(out, b)
         return out
@@ -315,11 +313,11 @@ class PlanBounds:
         the embedding and the head (``edges``: the stage is first, last, alone), which every
         pipeline's first and last stage hold, at the same rate per parameter among at least
         as many (``memory.edge_params``; a tied table's holders are both). ``estimate`` ends
-        the stage no earlier than its
-        last backward, every reduction's unhidden part (``sharding.unhidden_sync_s``, all
-        of it without overlap), then its optimizer step; and its reductions run one after
-        another on its link, each once its first bucket is ready on every holder, so no
-        earlier than its own gradients start to be ready (``Replay.grads_ready_from_s``)."""
+        the stage no earlier than its last backward, every reduction's unhidden part
+        (``sharding.unhidden_sync_s``, all of it without overlap), then its optimizer step;
+        and its reductions run one after another on its link, each once its first bucket is
+        ready on every holder, so no earlier than its own gradients start to be ready
+        (``Replay.grads_ready_from_s``)."""
         key = (id(node), tp, layers, plan.dp, kind, edges)
         hit = self._tails.get(key)
         if hit is None:

@@ -47,7 +47,8 @@ class SearchCache:
     tables: dict[tuple[object, ...], TableCaches] = field(default_factory=dict)
     frontiers: FrontierCache = field(default_factory=dict)
     pipes: dict[tuple[object, ...], tuple[list[float], list[float]]] = field(default_factory=dict)
-    """Pipelines' last backward ends by their stage times (``PlanBounds``)."""
+    """Pipelines' last backward ends and gradient-ready times by their stage times
+    (``PlanBounds``, ``het_bounds.last_backward_spans``)."""
     homogeneous: dict[tuple[object, ...], object] = field(default_factory=dict)
     """Single-type baselines: the top plan (or None), or the InputError raised."""
     memos: dict[tuple[object, ...], SearchMemo] = field(default_factory=dict)
