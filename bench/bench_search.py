@@ -38,6 +38,11 @@ CASES = [
     ("GPT-2, 12 RTX 3090 + 4 L4, single-GPU nodes",
      ["--model", "gpt2", "--cluster", "RTX 3090:12x1,L4:4x1", "--global-batch-size", "16",
       "--precision", "fp16"], 5.0, None, None),
+    # small nodes of two types: every placement of a selection's stages on the nodes (30 s
+    # before placements of copies were listed once and bounded by their own reductions)
+    ("GPT-2, 3 A100 nodes of 4 + 1 T4 node of 2",
+     ["--model", "gpt2", "--cluster", "A100-80GB:3x4,T4:1x2", "--global-batch-size", "16",
+      "--precision", "fp16"], 5.0, None, None),
     ("GPT-3 6.7B, 512 GPUs of three types",
      ["--model", "gpt3-6.7b", "--cluster", "A100-80GB:16x8,V100-32GB:16x8,T4:32x8",
       "--global-batch-size", "2048", "--precision", "fp16"], 20.0, None, None),

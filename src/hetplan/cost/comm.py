@@ -8,6 +8,7 @@ is shared by every device of the node that communicates across nodes at the same
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections import Counter
 from collections.abc import Sequence
@@ -135,6 +136,81 @@ def allreduce_floor_s_per_byte(node: Node, members: int, largest: int, params: C
         inside = ring_allreduce_bytes(1.0, members) / link if link > 0 else math.inf
         return min(inside, across(2))
     return across(1 + -(-(members - node.gpus) // max(largest, 1)))
+
+
+def group_floor_s_per_byte(members: Sequence[Node], params: CostParams) -> float:
+    """Returns a lower bound, per byte of the buffer, of ``group_allreduce_s`` (and twice
+    ``group_allgather_s``/``group_reduce_scatter_s``) among exactly these ``members`` (one
+    entry per device: its node), whoever else shares their links. On one node the ring:
+    2 (n - 1) / n bytes per byte over the node's link. Across k nodes the inter-node phase:
+    2 (k - 1) / k of the shard (the buffer over the fewest members on a node) over the
+    slowest share of a node's network link, a node's link shared by at least the members it
+    holds (every one of them talks across nodes). Latency and the intra-node phase are left
+    out. 0 with a measured profile (its link figures stand in for the datasheet's) or one
+    member."""
+    if len(members) <= 1 or params.compute.profile is not None:
+        return 0.0
+    local: dict[str, int] = {}  # members per node: each node's talkers, at the fewest
+    for node in members:
+        local[node.name] = local.get(node.name, 0) + 1
+    if len(local) == 1:
+        node = members[0]
+        link = node.intra_node_bytes_per_s * params.link_efficiency_of(node.gpu.name)
+        return ring_allreduce_bytes(1.0, len(members)) / link if link > 0 else math.inf
+    slowest = 0.0  # seconds per byte of the slowest share
+    seen: set[str] = set()
+    for node in members:
+        if node.name not in seen:
+            seen.add(node.name)
+            net = node.network_bytes_per_s * params.network_efficiency_of(node.gpu.name)
+            slowest = max(slowest, local[node.name] / net if net > 0 else math.inf)
+    return ring_allreduce_bytes(1.0 / min(local.values()), len(local)) * slowest
+
+
+SPREAD_CHOICES = 4096
+"""The most node-count choices ``spread_floor_s_per_byte`` weighs (past them: no floor)."""
+
+
+def spread_floor_s_per_byte(
+    parts: Sequence[tuple[Node, int, int, int]], params: CostParams
+) -> float:
+    """Returns a lower bound, per byte of the buffer, of ``group_allreduce_s`` (and twice
+    the half collectives) among members of several kinds of node, wherever each is placed
+    on its kind's nodes: ``parts``: per kind (GPU type and links), one node of it, the
+    members on such nodes, how many such nodes there are and the most members one holds.
+    For every choice of how many nodes u of each kind the members use, they span k = sum u
+    nodes, the fewest members on a node is at most the least ``members // u`` and the
+    fullest node of a kind holds at least ``ceil(members / u)``, which share its link:
+    ``group_floor_s_per_byte``'s terms at their least for that choice; the least over the
+    choices. 0 with a measured profile, one member, or more than ``SPREAD_CHOICES``
+    choices."""
+    parts = [x for x in parts if x[1] > 0]
+    if sum(x[1] for x in parts) <= 1 or params.compute.profile is not None:
+        return 0.0
+    ranges = []
+    for _, members, nodes, most in parts:
+        lo = -(-members // max(most, 1))
+        if lo > nodes:
+            return 0.0  # they do not fit: no placement to bound
+        ranges.append(range(lo, min(nodes, members) + 1))
+    if math.prod(len(r) for r in ranges) > SPREAD_CHOICES:
+        return 0.0
+    nets = [n.network_bytes_per_s * params.network_efficiency_of(n.gpu.name) for n, *_ in parts]
+    best = math.inf
+    for us in itertools.product(*ranges):
+        k = sum(us)
+        if k == 1:
+            node, members = parts[0][0], parts[0][1]
+            link = node.intra_node_bytes_per_s * params.link_efficiency_of(node.gpu.name)
+            best = min(best, ring_allreduce_bytes(1.0, members) / link if link > 0 else math.inf)
+            continue
+        fewest = min(x[1] // u for x, u in zip(parts, us, strict=True))
+        slowest = max(
+            (-(-x[1] // u)) / net if net > 0 else math.inf
+            for x, u, net in zip(parts, us, nets, strict=True)
+        )
+        best = min(best, ring_allreduce_bytes(1.0 / max(fewest, 1), k) * slowest)
+    return best
 
 
 @dataclass(frozen=True)

@@ -99,25 +99,34 @@ def measured_zero3_layer(
 
 def _sync_groups(plan: Plan, model: ModelSpec) -> list[tuple[float, list[tuple[int, int]]]]:
     """Returns [(parameters, [(pipeline, stage), ...])] per layer segment shared by replicas."""
+    return segment_holders([tuple(p.layer_ranges()) for p in plan.pipelines], model)
+
+
+def segment_holders(
+    ranges: Sequence[tuple[tuple[int, int], ...]], model: ModelSpec
+) -> list[tuple[float, list[tuple[int, int]]]]:
+    """Returns ``_sync_groups`` of pipelines whose stages hold these layer ranges (per
+    pipeline, per stage: [first, end)): per layer segment, its parameters and holders."""
+    dp = len(ranges)
     # pipelines with the same stage boundaries hold a segment at the same stage
     kinds: dict[tuple[tuple[int, int], ...], list[int]] = {}
-    for r, pipe in enumerate(plan.pipelines):
-        kinds.setdefault(tuple(pipe.layer_ranges()), []).append(r)
+    for r, rng in enumerate(ranges):
+        kinds.setdefault(rng, []).append(r)
     bounds = {0, model.layers}
-    for ranges in kinds:
-        for a, _ in ranges:
+    for kind in kinds:
+        for a, _ in kind:
             bounds.add(a)
     cuts = sorted(bounds)
     out = []
     for a, b in pairwise(cuts):
-        stage_of = [0] * plan.dp
-        holds = [False] * plan.dp
-        for ranges, rs in kinds.items():
-            for j, (x, y) in enumerate(ranges):
+        stage_of = [0] * dp
+        holds = [False] * dp
+        for kind, rs in kinds.items():
+            for j, (x, y) in enumerate(kind):
                 if x <= a < y:
                     for r in rs:
                         stage_of[r], holds[r] = j, True
-        holders = [(r, stage_of[r]) for r in range(plan.dp) if holds[r]]
+        holders = [(r, stage_of[r]) for r in range(dp) if holds[r]]
         # memory's count: a segment of the whole model is held by single-stage replicas
         # only, where a tied head is the embedding's table (one tensor, synced once)
         first, last = a == 0, b == model.layers
@@ -313,6 +322,33 @@ def reduction_floor_s(
     share = params.gpu(node.gpu.name).grad_overlap if overlap else 0.0
     per_byte = comm.allreduce_floor_s_per_byte(node, members, largest, params)
     return (1.0 - share) * model.layer_params() / tp * per_param * per_byte
+
+
+def placed_reduction_floors(
+    plan: Plan, model: ModelSpec, node_of: Any, params: CostParams
+) -> dict[tuple[int, int], float]:
+    """Returns, per stage (pipeline, stage) of a placed plan, a lower bound of its once-a-step
+    gradient reductions in ``grad_sync_times`` per byte that an all-reduce moves per
+    parameter (``reduction_bytes_per_param``; ``node_of``: device name -> Node): the sum,
+    over the layer segments it holds (``_sync_groups``), of the segment's parameters over
+    its holders' least TP degree at ``comm.group_floor_s_per_byte`` of the group of the
+    holders' first devices (the first rank's group; each segment takes the most of its
+    ranks' times). Every device of a node in such a group talks across nodes while it
+    reduces, so the node's link is shared by at least the group's members on it. Stages
+    holding nothing that others hold are left out."""
+    out: dict[tuple[int, int], float] = {}
+    if plan.dp <= 1:
+        return out
+    for n_params, holders in _sync_groups(plan, model):
+        if len(holders) <= 1 or n_params <= 0:
+            continue
+        stages = [plan.pipelines[r].stages[j] for r, j in holders]
+        tp_min = min(st.tp for st in stages)
+        members = [node_of(st.devices[0]) for st in stages]
+        t = n_params / tp_min * comm.group_floor_s_per_byte(members, params)
+        for h in holders:
+            out[h] = out.get(h, 0.0) + t
+    return out
 
 
 def grad_sync_times(

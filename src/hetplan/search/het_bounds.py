@@ -15,7 +15,11 @@ from dataclasses import dataclass
 
 from hetplan.cluster import Cluster, Node
 from hetplan.cost import comm
-from hetplan.cost.dp_sync import reduction_bytes_per_param, reduction_floor_s
+from hetplan.cost.dp_sync import (
+    placed_reduction_floors,
+    reduction_bytes_per_param,
+    reduction_floor_s,
+)
 from hetplan.cost.estimate import StageKey, p2p_wait_s, part_split, stage_times
 from hetplan.cost.memory import (
     edge_params,
@@ -154,10 +158,69 @@ def reduction_kind(plan: Plan) -> tuple[float, bool] | None:
     return reduction_bytes_per_param(plan.zero_stage, plan.precision), plan.overlap_grad_reduce
 
 
+def stage_reduction_floors(
+    model: ModelSpec,
+    precision: str,
+    tp: int,
+    node: Node,
+    layers: int,
+    dp: int,
+    largest: int,
+    params: CostParams,
+    kind: tuple[float, bool],
+    edges: tuple[bool, bool, bool],
+    placed: float = 0.0,
+) -> tuple[float, float]:
+    """Returns lower bounds of a stage's once-a-step gradient reductions in ``estimate``
+    (``PlanBounds._tail``), for ``layers`` layers at TP ``tp`` on ``node`` among ``dp``
+    pipelines, each holding every layer (``largest``: the most GPUs a node of the cluster
+    holds; ``kind``: ``reduction_kind``; ``edges``: the stage is first, last, alone): what
+    it waits for after its last backward, and their whole time. Each layer's
+    ``dp_sync.reduction_floor_s`` among ``dp`` holders, wherever they are, and the embedding
+    and the head at the same rate per parameter (``memory.edge_params``); or, where the
+    holders are placed, ``placed`` (``dp_sync.placed_reduction_floors``: seconds per byte
+    an all-reduce moves per parameter) at the same shares; the larger of the two."""
+    per_param, overlap = kind
+    one = reduction_floor_s(model, precision, tp, node, dp, largest, params, per_param, overlap)
+    whole = reduction_floor_s(model, precision, tp, node, dp, largest, params, per_param, False)
+    # the embedding's and head's parameters, in layers' worth (the floor is linear)
+    units = layers + edge_params(model, tp, *edges) * tp / model.layer_params()
+    mine = placed * per_param
+    share = params.gpu(node.gpu.name).grad_overlap if overlap else 0.0
+    return max(units * one, (1.0 - share) * mine), max(units * whole, mine)
+
+
+def tailed_bound_s(
+    m: int,
+    fwd_c: list[list[float]],
+    bwd_c: list[list[float]],
+    send_s: list[float],
+    opt_s: list[float],
+    tails: list[tuple[float, float]],
+    spans: tuple[list[float], list[float]] | None,
+) -> float:
+    """Returns a lower bound of one pipeline's latest stage end in ``estimate`` with its
+    stages' reductions (``tails``: per stage, what follows its last backward and their
+    whole time, ``stage_reduction_floors``): each stage ends no earlier than its last
+    backward and the tail, nor than its reductions' whole time after its gradients start
+    to be ready, then its optimizer step. ``spans``: the stages' last backward ends and
+    gradient-ready times in the proven replay (``last_backward_spans``); None: the closed
+    form, with each tail added to the optimizer step."""
+    if spans is not None:
+        ends, ready = spans
+        parts = zip(ends, ready, tails, opt_s, strict=True)
+        return max(max(e + t, r + whole) + o for e, r, (t, whole), o in parts) * (1.0 - 1e-9)
+    opt = [o + t for o, (t, _) in zip(opt_s, tails, strict=True)]
+    return closed_bound_s(m, fwd_c, bwd_c, send_s, opt)
+
+
 @dataclass
 class _Row:
     """One distinct pipeline of a plan as ``PlanBounds`` bounds it."""
 
+    r: int
+    """The first of the plan's pipelines it stands for (the others' stages hold the same
+    layers: the same reductions)."""
     m: int
     fwd: list[list[float]]
     bwd: list[list[float]]
@@ -204,6 +267,7 @@ class PlanBounds:
         self._tails: dict[tuple[object, ...], tuple[float, float]] = {}
         self._largest = max((n.gpus for n in cluster.nodes), default=1)
         self._layouts: dict[tuple[Hashed, bool], tuple[dict[str, int], list[int]]] = {}
+        self._placed: dict[Hashed, dict[tuple[int, int], float]] = {}
         self._hashes: dict[int, Hashed] = {}
 
     def node(self, device: str) -> Node:
@@ -278,22 +342,18 @@ class PlanBounds:
         step with its reduction's tail after its last backward, and no earlier than its
         reductions' whole time after its gradients start to be ready (where replayed)."""
         out = 0.0
+        placed = None if kind is None else self._placed_floors(plan)
         for row in rows:
             p = len(row.stages)
             tails = [(0.0, 0.0)] * p  # after the last backward, whole
-            if kind is not None:
-                tails = [
-                    self._tail(node, tp, layers, plan, kind, (j == 0, j == p - 1, p == 1))
-                    for j, (node, tp, layers) in enumerate(row.stages)
-                ]
-            if row.ends is not None and row.ready is not None:
-                # the reductions start no earlier than the first gradients and run whole
-                parts = zip(row.ends, row.ready, tails, row.opt, strict=True)
-                b = max(max(e + t, r + whole) + o for e, r, (t, whole), o in parts)
-                b *= 1.0 - 1e-9
-            else:
-                opt = [o + t for o, (t, _) in zip(row.opt, tails, strict=True)]
-                b = closed_bound_s(row.m, row.fwd, row.bwd, row.sends, opt)
+            if kind is not None and placed is not None:
+                tails = []
+                for j, (node, tp, layers) in enumerate(row.stages):
+                    edges = (j == 0, j == p - 1, p == 1)
+                    mine = placed.get((row.r, j), 0.0)
+                    tails.append(self._tail(node, tp, layers, plan, kind, edges, mine))
+            spans = None if row.ends is None or row.ready is None else (row.ends, row.ready)
+            b = tailed_bound_s(row.m, row.fwd, row.bwd, row.sends, row.opt, tails, spans)
             out = max(out, b)
         return out
 
@@ -305,6 +365,7 @@ class PlanBounds:
         plan: Plan,
         kind: tuple[float, bool],
         edges: tuple[bool, bool, bool],
+        placed: float = 0.0,
     ) -> tuple[float, float]:
         """Returns lower bounds of a stage's gradient reductions in ``estimate``, for
         ``layers`` layers at TP ``tp`` on ``node`` (memoised): what it waits for after its
@@ -317,18 +378,31 @@ class PlanBounds:
         (``sharding.unhidden_sync_s``, all of it without overlap), then its optimizer step;
         and its reductions run one after another on its link, each once its first bucket is
         ready on every holder, so no earlier than its own gradients start to be ready
-        (``Replay.grads_ready_from_s``)."""
-        key = (id(node), tp, layers, plan.dp, kind, edges)
+        (``Replay.grads_ready_from_s``).
+
+        ``placed``: the stage's reductions' floor per byte an all-reduce moves per parameter
+        with the plan's own holders (``dp_sync.placed_reduction_floors``: the nodes they
+        span and share); the larger of the two floors holds."""
+        key = (id(node), tp, layers, plan.dp, kind, edges, placed)
         hit = self._tails.get(key)
         if hit is None:
-            per_param, overlap = kind
-            one = reduction_floor_s(self.model, plan.precision, tp, node, plan.dp, self._largest,
-                                    self.params, per_param, overlap)  # fmt: skip
-            whole = reduction_floor_s(self.model, plan.precision, tp, node, plan.dp,
-                                      self._largest, self.params, per_param, False)  # fmt: skip
-            # the embedding's and head's parameters, in layers' worth (the floor is linear)
-            units = layers + edge_params(self.model, tp, *edges) * tp / self.model.layer_params()
-            hit = self._tails[key] = (units * one, units * whole)
+            hit = self._tails[key] = stage_reduction_floors(
+                self.model, plan.precision, tp, node, layers, plan.dp, self._largest,
+                self.params, kind, edges, placed,
+            )  # fmt: skip
+        return hit
+
+    def _placed_floors(self, plan: Plan) -> dict[tuple[int, int], float]:
+        """Returns ``dp_sync.placed_reduction_floors`` of the plan (memoised by its
+        pipelines: ZeRO and sequence-parallel twins share it)."""
+        key = self._hashed(plan.pipelines)
+        hit = self._placed.get(key)
+        if hit is None:
+            if len(self._placed) >= LAYOUT_MEMO:
+                self._placed.clear()
+            hit = self._placed[key] = placed_reduction_floors(
+                plan, self.model, self.node, self.params
+            )
         return hit
 
     def _hashed(self, pipelines: tuple[Pipeline, ...]) -> Hashed:
@@ -422,5 +496,5 @@ class PlanBounds:
                     )
                 ends, ready = spans
             desc = [(nodes[j], st.tp, st.layers) for j, st in enumerate(pipe.stages)]
-            out.append(_Row(m, fwd_c, bwd_c, sends, opt, desc, ends, ready))
+            out.append(_Row(r, m, fwd_c, bwd_c, sends, opt, desc, ends, ready))
         return out

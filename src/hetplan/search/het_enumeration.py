@@ -10,22 +10,28 @@ import bisect
 import heapq
 import itertools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
 
 import numpy as np
 
+from hetplan.cost.comm import group_floor_s_per_byte, spread_floor_s_per_byte
+from hetplan.cost.dp_sync import reduction_bytes_per_param, segment_holders
 from hetplan.cost.estimate import p2p_wait_s
 from hetplan.cost.memory import stage_state
 from hetplan.cost.schedule import full_warmup, in_flight, interleave_fits, peak_in_flight
-from hetplan.cost.sharding import dominated_by_zero1
+from hetplan.cost.sharding import deferred, dominated_by_zero1
 from hetplan.plan import RECOMPUTE, Pipeline, Plan, Stage
 from hetplan.search.het_bounds import (
     chunk_times,
     closed_bound_at,
     closed_terms,
+    last_backward_spans,
     pipeline_bound_s,
+    replay_is_exact,
+    stage_reduction_floors,
+    tailed_bound_s,
 )
 from hetplan.search.het_generation import SearchState
 from hetplan.search.het_pool import CandidatePool
@@ -39,12 +45,23 @@ from hetplan.search.het_space import (
 from hetplan.search.het_tables import Knobs
 from hetplan.search.het_variants import count_pipelines, layer_splits, pipeline_shapes, placements
 
+Slot = tuple[int, int]
+"""A stage of a selection: (position of its pipeline in the selection, stage)."""
+Queued = tuple[float, int, "Enumeration", tuple[tuple[int, int], ...], int, bool, bool]
+"""A selection in line to be placed: its bound, its place in line, its enumeration, the
+selection, its ZeRO stage, sequence parallelism, and whether its bound holds its
+reductions (``Enumeration.spread_bound_s``) yet."""
+
 ENUMERATION_BUDGET = 5_000_000
 """Work units the enumeration may spend before it gives up proving the first plan optimal
 (about a microsecond each: a step of the selection search; ``PIPE_UNITS`` a pipeline, 5 a
 placement, ``ESTIMATE_UNITS`` an estimate)."""
 ESTIMATE_UNITS = 300
 PIPE_UNITS = 2
+TIGHTEN_UNITS = 20
+"""A queued selection's units per pipeline when its reductions are bounded."""
+PLACE_UNITS = 100
+"""A placement's units: its devices and its own reductions' bound (about 0.1 ms)."""
 COMPLETE_UNITS = 2
 """A complete selection's units per pipeline and ZeRO choice (its bound and memory check)."""
 ENUMERATION_SPLITS = 20_000
@@ -65,8 +82,7 @@ def enumerate_all(state: SearchState, budget: int = ENUMERATION_BUDGET) -> bool:
     combos = state.combos(tp_list, state.micro_batches, RECOMPUTE,
                           schedule_options(state.model.layers))  # fmt: skip
     work = _Budget(budget)
-    queue: list[tuple[float, int, Enumeration, tuple[tuple[int, int], ...], int, bool]]
-    queue = []
+    queue: list[Queued] = []
     for bound_s, tps, knobs in combos:
         if bound_s >= state.cutoff_s:
             break
@@ -74,7 +90,14 @@ def enumerate_all(state: SearchState, budget: int = ENUMERATION_BUDGET) -> bool:
             return False
     heapq.heapify(queue)
     while queue and queue[0][0] < state.cutoff_s:
-        bound, _, enum, sel, z, sp = heapq.heappop(queue)
+        bound, n, enum, sel, z, sp, tight = heapq.heappop(queue)
+        if not tight:  # its reductions wherever placed, then back in line
+            if not work.spend(TIGHTEN_UNITS * len(sel)):
+                return False
+            bound = max(bound, enum.spread_bound_s(sel, z))
+            if bound < state.cutoff_s:
+                heapq.heappush(queue, (bound, n, enum, sel, z, sp, True))
+            continue
         if not enum.place(bound, sel, z, sp):
             return False
     return True
@@ -125,6 +148,8 @@ class _Pipe:
     sends: list[float]
     state_floor: list[float]
     """Per stage: the least weights, gradients and optimizer bytes of any ZeRO choice."""
+    opts: dict[int, list[float]] = field(default_factory=dict)
+    """Per optimizer shard count: each stage's optimizer step (``Enumeration.opts``)."""
 
 
 class Enumeration:
@@ -138,7 +163,7 @@ class Enumeration:
         tps: tuple[int, ...],
         knobs: Knobs,
         work: _Budget,
-        queue: list[tuple[float, int, Enumeration, tuple[tuple[int, int], ...], int, bool]],
+        queue: list[Queued],
     ):
         self.s = state
         self.queue = queue
@@ -164,6 +189,11 @@ class Enumeration:
         self._warm: dict[int, list[int]] = {}
         self._count_lists: dict[tuple[int, int], list[int]] = {}
         self._fit_memo: dict[tuple[int, int, int, int], bool] = {}
+        self._tails: dict[tuple[object, ...], tuple[float, float]] = {}
+        self._spans: dict[tuple[int, int], tuple[list[float], list[float]]] = {}
+        self._segs: dict[tuple[int, ...], list[tuple[float, list[Slot]]]] = {}
+        self._spread: dict[tuple[int, ...], float] = {}
+        self._largest = max((n.gpus for n in state.cluster.nodes), default=1)
 
     def opt_s(
         self, k: int, layers: int, first: bool, last: bool, single: bool, shards: int
@@ -175,6 +205,12 @@ class Enumeration:
         return hit
 
     def opts(self, pipe: _Pipe, shards: int) -> list[float]:
+        hit = pipe.opts.get(shards)
+        if hit is None:
+            hit = pipe.opts[shards] = self._opts(pipe, shards)
+        return hit
+
+    def _opts(self, pipe: _Pipe, shards: int) -> list[float]:
         p = len(pipe.classes)
         return [
             self.opt_s(k, x, j == 0, j == p - 1, p == 1, shards)
@@ -242,6 +278,124 @@ class Enumeration:
                 self.knobs.schedule, m, pipe.fwd_c, pipe.bwd_c, pipe.sends, self.opts(pipe, shards)
             )
         return hit
+
+    def _spans_of(self, i: int, m: int) -> tuple[list[float], list[float]] | None:
+        """Returns pipeline ``i``'s last backward ends and gradient-ready times at ``m``
+        micro-batches in the proven replay (``het_bounds.last_backward_spans``), or None
+        where ``estimate`` does not replay it exactly (the closed form)."""
+        pipe = self.pipes[i]
+        if not replay_is_exact(len(pipe.classes), m, self.knobs.virtual_stages):
+            return None
+        hit = self._spans.get((i, m))
+        if hit is None:
+            hit = self._spans[(i, m)] = last_backward_spans(
+                self.knobs.schedule, m, pipe.fwd_c, pipe.bwd_c, pipe.sends
+            )
+        return hit
+
+    def _segments(self, sel: tuple[tuple[int, int], ...]) -> list[tuple[float, list[Slot]]]:
+        """Returns the selection's layer segments as ``estimate`` reduces them
+        (``dp_sync.segment_holders``), each with its parameters over its holders' least TP
+        degree, and its holders (position in ``sel``, stage)."""
+        key = tuple(i for i, _ in sel)
+        hit = self._segs.get(key)
+        if hit is None:
+            ranges = []
+            for i, _ in sel:
+                a, rng = 0, []
+                for x in self.pipes[i].layers:
+                    rng.append((a, a + x))
+                    a += x
+                ranges.append(tuple(rng))
+            hit = []
+            for n_params, holders in segment_holders(ranges, self.s.model):
+                if len(holders) > 1 and n_params > 0:
+                    tp = min(self.tables[self.pipes[sel[r][0]].classes[j]].tp for r, j in holders)
+                    hit.append((n_params / tp, holders))
+            self._segs[key] = hit
+        return hit
+
+    def _spread_floors(self, sel: tuple[tuple[int, int], ...]) -> dict[Slot, float]:
+        """Returns, per stage of the selection, its reductions' floor per byte an all-reduce
+        moves per parameter wherever the stages are placed: per segment,
+        ``comm.spread_floor_s_per_byte`` of its holders by class (each class's nodes, and
+        the TP groups a node holds)."""
+        out: dict[Slot, float] = {}
+        for n_tp, holders in self._segments(sel):
+            count = [0] * len(self.tables)
+            for r, j in holders:
+                count[self.pipes[sel[r][0]].classes[j]] += 1
+            key = tuple(count)
+            f = self._spread.get(key)
+            if f is None:
+                parts = [(t.cls.nodes[0], n, len(t.cls.nodes), t.cls.gpus_per_node // t.tp)
+                         for t, n in zip(self.tables, count, strict=True)]  # fmt: skip
+                f = self._spread[key] = spread_floor_s_per_byte(parts, self.s.params)
+            for h in holders:
+                out[h] = out.get(h, 0.0) + n_tp * f
+        return out
+
+    def _placed_floors(
+        self, sel: tuple[tuple[int, int], ...], layout: dict[Slot, tuple[str, ...]]
+    ) -> dict[Slot, float]:
+        """Returns ``dp_sync.placed_reduction_floors`` of the selection placed so: per
+        segment, ``comm.group_floor_s_per_byte`` of its holders' first devices' nodes."""
+        node = self.s.bounds.node  # type: ignore[union-attr]
+        out: dict[Slot, float] = {}
+        for n_tp, holders in self._segments(sel):
+            t = n_tp * group_floor_s_per_byte([node(layout[h][0]) for h in holders],
+                                              self.s.params)  # fmt: skip
+            for h in holders:
+                out[h] = out.get(h, 0.0) + t
+        return out
+
+    def spread_bound_s(self, sel: tuple[tuple[int, int], ...], z: int) -> float:
+        """Returns ``selection_bound_s`` of the selection under ZeRO stage ``z`` with its
+        reductions wherever it is placed (``_spread_floors``): a bound of every placement."""
+        d = len(sel)
+        pipelined = any(len(self.pipes[i].layers) > 1 for i, _ in sel)
+        kind = self._kind(z, d, pipelined, len({m for _, m in sel}) > 1)
+        floors = {} if kind is None else self._spread_floors(sel)
+        return self.selection_bound_s(sel, d if z else 1, kind, floors)
+
+    def selection_bound_s(
+        self,
+        sel: tuple[tuple[int, int], ...],
+        shards: int,
+        kind: tuple[float, bool] | None,
+        floors: dict[Slot, float],
+    ) -> float:
+        """Returns a lower bound of ``estimate`` of the selection's plans: every pipeline's
+        replay bound (``pipe_bound_s``) with each stage's once-a-step gradient reductions
+        (``kind``: ``reduction_kind``'s; None: none) among the selection's pipelines, at
+        ``het_bounds.stage_reduction_floors`` with ``floors`` per stage (per byte an
+        all-reduce moves per parameter: ``_spread_floors`` for every placement,
+        ``_placed_floors`` for one), as ``PlanBounds`` charges them."""
+        if kind is None:
+            return max(self.pipe_bound_s(i, m, shards) for i, m in sel)
+        s, d = self.s, len(sel)
+        out = 0.0
+        for r, (i, m) in enumerate(sel):
+            pipe = self.pipes[i]
+            p = len(pipe.classes)
+            tails = []
+            for j, (c, x) in enumerate(zip(pipe.classes, pipe.layers, strict=True)):
+                placed = floors.get((r, j), 0.0)
+                tkey = (c, x, j == 0, j == p - 1, p == 1, kind, d, placed)
+                tail = self._tails.get(tkey)
+                if tail is None:
+                    if len(self._tails) >= 65536:
+                        self._tails.clear()
+                    t = self.tables[c]
+                    tail = self._tails[tkey] = stage_reduction_floors(
+                        s.model, self.knobs.precision, t.tp, t.cls.nodes[0], x, d,
+                        self._largest, s.params, kind, (j == 0, j == p - 1, p == 1), placed,
+                    )  # fmt: skip
+                tails.append(tail)
+            b = tailed_bound_s(m, pipe.fwd_c, pipe.bwd_c, pipe.sends, self.opts(pipe, shards),
+                               tails, self._spans_of(i, m))  # fmt: skip
+            out = max(out, b)
+        return out
 
     def build_pipes(self) -> bool:
         """Enumerates every (shape, split) pipeline that fits somewhere; False when there
@@ -491,7 +645,9 @@ class Enumeration:
                 continue
             if all(self._fits_at(i, m, z, d) for i, m in sel):
                 sp = s.sequence_parallel_for(any_tp)
-                self.queue.append((bound, len(self.queue), self, sel, z, sp))
+                # its reductions are charged when it comes first in line (``spread_bound_s``)
+                tight = self._kind(z, d, pipelined, uneven) is None
+                self.queue.append((bound, len(self.queue), self, sel, z, sp, tight))
         # a bound and a memory check per pipeline and ZeRO choice
         return self.work.spend(COMPLETE_UNITS * d * len(zeros))
 
@@ -501,9 +657,17 @@ class Enumeration:
         estimate; False when the budget ran out."""
         s, k = self.s, self.knobs
         assert s.bounds is not None
-        for layout in placements(self.tables, [self.pipes[i].classes for i, _ in sel]):
-            if not self.work.spend(5):
+        seqs = [self.pipes[i].classes for i, _ in sel]
+        shards = len(sel) if z else 1
+        pipelined = any(len(q) > 1 for q in seqs)
+        kind = self._kind(z, len(sel), pipelined, len({m for _, m in sel}) > 1)
+        for layout in placements(self.tables, seqs, list(sel)):  # copies: same (pipe, m)
+            if not self.work.spend(PLACE_UNITS):
                 return False
+            if kind is not None:  # its own reductions first, before any plan is built
+                floors = self._placed_floors(sel, layout)
+                if self.selection_bound_s(sel, shards, kind, floors) >= s.cutoff_s:
+                    continue
             pipelines = []
             for r, (i, m) in enumerate(sel):
                 pipe = self.pipes[i]
@@ -534,6 +698,13 @@ class Enumeration:
                 return False
             s.evaluate(plan)
         return True
+
+    def _kind(self, z: int, d: int, pipelined: bool, uneven: bool) -> tuple[float, bool] | None:
+        """Returns ``het_bounds.reduction_kind`` of the selection's plans under ZeRO stage
+        ``z`` (they overlap their reductions: the ``Plan`` default)."""
+        if d <= 1 or (z >= 2 and not deferred(z, d, pipelined, uneven)):
+            return None
+        return reduction_bytes_per_param(z, self.knobs.precision), True
 
     def _fits_at(self, i: int, m: int, z: int, d: int) -> bool:
         """Returns ``fits`` of pipeline ``i`` at ``m`` micro-batches with its state under

@@ -244,22 +244,112 @@ def _blocks(
     yield from rec(0)
 
 
+def _spread(
+    blocks: list[list[tuple[int, int]]],
+    alike: list[list[tuple[int, int]]],
+    most_blocks: int,
+    size: int,
+) -> Iterator[list[list[tuple[int, int]]]]:
+    """Yields every way to add the interchangeable items of ``alike`` (lists of items any
+    two of which may trade places: single-stage copies of one pipeline) to the blocks of
+    one partition of the other items, and to new blocks up to ``most_blocks`` in all, each
+    block at most ``size`` items: how many of each list every block takes, once each (the
+    copies taken in order; new blocks, which hold copies only, in non-increasing order of
+    their counts, as blocks are unlabelled)."""
+    kinds = len(alike)
+    fixed = len(blocks)
+    spare = most_blocks - fixed
+    counts: list[list[int]] = [[0] * kinds for _ in range(fixed)]
+    extra: list[list[int]] = []
+
+    def emit() -> list[list[tuple[int, int]]]:
+        taken = [0] * kinds
+        out = []
+        for b, row in zip(blocks + [[] for _ in extra], counts + extra, strict=True):
+            block = list(b)
+            for t, n in enumerate(row):
+                block.extend(alike[t][taken[t] : taken[t] + n])
+                taken[t] += n
+            out.append(block)
+        return out
+
+    def rec(b: int, t: int, left: list[int], room: int) -> Iterator[list[list[tuple[int, int]]]]:
+        if t == kinds:  # block b done: the next one
+            yield from rec(b + 1, 0, left, -1)
+            return
+        if b < fixed:
+            if room < 0:
+                room = size - len(blocks[b])
+            for n in range(min(left[t], room), -1, -1):
+                counts[b][t] = n
+                left[t] -= n
+                yield from rec(b, t + 1, left, room - n)
+                left[t] += n
+            counts[b][t] = 0
+            return
+        if not any(left):
+            yield emit()
+            return
+        # a new block: at most as many of each list as the one before, lexicographically
+        k = b - fixed
+        if k >= spare:
+            return
+        if t == 0:
+            extra.append([0] * kinds)
+            room = size
+        row, prev = extra[k], extra[k - 1] if k else None
+        same = prev is not None and all(row[u] == prev[u] for u in range(t))
+        top = min(left[t], room)
+        if same and prev is not None:
+            top = min(top, prev[t])
+        for n in range(top, -1, -1):
+            row[t] = n
+            left[t] -= n
+            if t + 1 < kinds or any(row):  # an empty new block adds nothing
+                yield from rec(b, t + 1, left, room - n)
+            left[t] += n
+        row[t] = 0
+        if t == 0:
+            extra.pop()
+
+    yield from rec(0, 0, [len(a) for a in alike], -1)
+
+
 def placements(
-    tables: list[ClassTable], seqs: list[tuple[int, ...]]
+    tables: list[ClassTable],
+    seqs: list[tuple[int, ...]],
+    kinds: list[object] | None = None,
 ) -> Iterator[dict[tuple[int, int], tuple[str, ...]]]:
     """Yields every placement of the pipelines' stages (``seqs[r][j]``: class of stage j of
     pipeline r) on TP groups, up to the order of a class's interchangeable nodes and of
-    the groups inside a node: per (pipeline, stage), its devices."""
+    the groups inside a node: per (pipeline, stage), its devices. ``kinds``: per pipeline,
+    what makes it what it is (equal kinds: copies); then up to the order of single-stage
+    copies too (swapping two gives the same plan), each such placement once."""
     by_class: dict[int, list[tuple[int, int]]] = {}
+    copies: dict[tuple[int, object], list[tuple[int, int]]] = {}
     for r, seq in enumerate(seqs):
+        if kinds is not None and len(seq) == 1:
+            copies.setdefault((seq[0], kinds[r]), []).append((r, 0))
+            continue
         for j, c in enumerate(seq):
             by_class.setdefault(c, []).append((r, j))
-    keys = sorted(by_class)
+    for (c, _), items in copies.items():
+        if len(items) == 1:  # no copy: placed as any other stage
+            by_class.setdefault(c, []).extend(items)
+    keys = sorted({c for c, _ in copies} | set(by_class))
     options = []
     for c in keys:
         t = tables[c]
         per_node = t.cls.gpus_per_node // t.tp
-        options.append(list(_blocks(by_class[c], len(t.cls.nodes), per_node)))
+        most = len(t.cls.nodes)
+        alike = [items for (k, _), items in copies.items() if k == c and len(items) > 1]
+        labelled = _blocks(by_class.get(c, []), most, per_node)
+        if alike:
+            options.append(
+                [x for blocks in labelled for x in _spread(blocks, alike, most, per_node)]
+            )
+        else:
+            options.append(list(labelled))
     for choice in itertools.product(*options):
         out: dict[tuple[int, int], tuple[str, ...]] = {}
         for c, parts in zip(keys, choice, strict=True):
