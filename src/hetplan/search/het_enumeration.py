@@ -54,8 +54,8 @@ reductions (``Enumeration.spread_bound_s``) yet."""
 
 ENUMERATION_BUDGET = 5_000_000
 """Work units the enumeration may spend before it gives up proving the first plan optimal
-(about a microsecond each: a step of the selection search; ``PIPE_UNITS`` a pipeline, 5 a
-placement, ``ESTIMATE_UNITS`` an estimate)."""
+(about a microsecond each: a step of the selection search; ``PIPE_UNITS`` a pipeline,
+``PLACE_UNITS`` a placement, ``ESTIMATE_UNITS`` an estimate)."""
 ESTIMATE_UNITS = 300
 PIPE_UNITS = 2
 TIGHTEN_UNITS = 20
