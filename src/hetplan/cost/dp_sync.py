@@ -6,7 +6,7 @@ per-micro-batch collectives (``sharded_microbatch_s``; the schedules in ``cost.s
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from itertools import pairwise
 from typing import Any
@@ -324,9 +324,27 @@ def reduction_floor_s(
     return (1.0 - share) * model.layer_params() / tp * per_param * per_byte
 
 
+Slot = tuple[int, int]
+"""A stage: (pipeline, stage)."""
+
+
+def holder_floors(
+    segments: Sequence[tuple[float, Sequence[Slot]]], per_byte: Callable[[Sequence[Slot]], float]
+) -> dict[Slot, float]:
+    """Returns, per stage, the sum over the segments it holds of the segment's parameters
+    (over its holders' least TP degree, as ``segments`` gives them) at ``per_byte`` of its
+    holders: seconds per byte an all-reduce moves per parameter."""
+    out: dict[Slot, float] = {}
+    for n_tp, holders in segments:
+        t = n_tp * per_byte(holders)
+        for h in holders:
+            out[h] = out.get(h, 0.0) + t
+    return out
+
+
 def placed_reduction_floors(
     plan: Plan, model: ModelSpec, node_of: Any, params: CostParams
-) -> dict[tuple[int, int], float]:
+) -> dict[Slot, float]:
     """Returns, per stage (pipeline, stage) of a placed plan, a lower bound of its once-a-step
     gradient reductions in ``grad_sync_times`` per byte that an all-reduce moves per
     parameter (``reduction_bytes_per_param``; ``node_of``: device name -> Node): the sum,
@@ -335,20 +353,20 @@ def placed_reduction_floors(
     holders' first devices (the first rank's group; each segment takes the most of its
     ranks' times). Every device of a node in such a group talks across nodes while it
     reduces, so the node's link is shared by at least the group's members on it. Stages
-    holding nothing that others hold are left out."""
-    out: dict[tuple[int, int], float] = {}
+    holding nothing that others hold are left out (``holder_floors``)."""
     if plan.dp <= 1:
-        return out
+        return {}
+    segments = []
     for n_params, holders in _sync_groups(plan, model):
-        if len(holders) <= 1 or n_params <= 0:
-            continue
-        stages = [plan.pipelines[r].stages[j] for r, j in holders]
-        tp_min = min(st.tp for st in stages)
-        members = [node_of(st.devices[0]) for st in stages]
-        t = n_params / tp_min * comm.group_floor_s_per_byte(members, params)
-        for h in holders:
-            out[h] = out.get(h, 0.0) + t
-    return out
+        if len(holders) > 1 and n_params > 0:
+            tp_min = min(plan.pipelines[r].stages[j].tp for r, j in holders)
+            segments.append((n_params / tp_min, holders))
+
+    def first_devices(holders: Sequence[Slot]) -> float:
+        members = [node_of(plan.pipelines[r].stages[j].devices[0]) for r, j in holders]
+        return comm.group_floor_s_per_byte(members, params)
+
+    return holder_floors(segments, first_devices)
 
 
 def grad_sync_times(

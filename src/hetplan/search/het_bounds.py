@@ -68,6 +68,7 @@ def pipeline_bound_s(
     bwd_c: list[list[float]],
     send_s: list[float],
     opt_s: list[float],
+    spans: tuple[list[float], list[float]] | None = None,
 ) -> float:
     """Returns a lower bound of the latest ``last backward end + optimizer`` over one
     pipeline's stages in ``estimate``, for any plan whose stages' chunks take at least
@@ -80,11 +81,14 @@ def pipeline_bound_s(
     j: its first forward waits for chunk 0 of every earlier stage and the transfers
     between them, it then computes all its m micro-batches, and after its last backward
     (chunk 0 of the last micro-batch) every earlier stage still runs that chunk's
-    backward, transfers included, before stage 0 ends."""
+    backward, transfers included, before stage 0 ends. ``spans``: the replay's
+    ``last_backward_spans`` where the caller keeps them (replayed here otherwise)."""
     p, v = len(fwd_c), len(fwd_c[0])
     if not replay_is_exact(p, m, v):
         return closed_bound_s(m, fwd_c, bwd_c, send_s, opt_s)
-    ends, _ = last_backward_spans(schedule, m, fwd_c, bwd_c, send_s)
+    if spans is None:
+        spans = last_backward_spans(schedule, m, fwd_c, bwd_c, send_s)
+    ends, _ = spans
     return max(e + o for e, o in zip(ends, opt_s, strict=True)) * (1.0 - 1e-9)
 
 
@@ -151,11 +155,19 @@ def reduction_kind(plan: Plan) -> tuple[float, bool] | None:
     all-reduce per parameter (``dp_sync.reduction_bytes_per_param``), and whether it
     overlaps the backward; None where a stage reduces nothing once a step after its
     backward (one pipeline, or ZeRO-2/3 reducing every micro-batch)."""
-    if plan.dp <= 1:
+    deferred = plan.zero_stage >= 2 and plan.dp > 1 and deferred_sync(plan)
+    return reduction_kind_of(plan.zero_stage, plan.dp, plan.precision,
+                             plan.overlap_grad_reduce, deferred)  # fmt: skip
+
+
+def reduction_kind_of(
+    zero_stage: int, dp: int, precision: str, overlap: bool, deferred: bool
+) -> tuple[float, bool] | None:
+    """Returns ``reduction_kind`` of a plan from its parts (``deferred``: its ZeRO-2/3 run
+    as ZeRO-1 once a step, ``sharding.deferred``; read for ZeRO-2/3 only)."""
+    if dp <= 1 or (zero_stage >= 2 and not deferred):
         return None
-    if plan.zero_stage >= 2 and not deferred_sync(plan):
-        return None
-    return reduction_bytes_per_param(plan.zero_stage, plan.precision), plan.overlap_grad_reduce
+    return reduction_bytes_per_param(zero_stage, precision), overlap
 
 
 def stage_reduction_floors(

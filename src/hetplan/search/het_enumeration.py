@@ -10,6 +10,7 @@ import bisect
 import heapq
 import itertools
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
@@ -17,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from hetplan.cost.comm import group_floor_s_per_byte, spread_floor_s_per_byte
-from hetplan.cost.dp_sync import reduction_bytes_per_param, segment_holders
+from hetplan.cost.dp_sync import Slot, holder_floors, segment_holders
 from hetplan.cost.estimate import p2p_wait_s
 from hetplan.cost.memory import stage_state
 from hetplan.cost.schedule import full_warmup, in_flight, interleave_fits, peak_in_flight
@@ -29,6 +30,7 @@ from hetplan.search.het_bounds import (
     closed_terms,
     last_backward_spans,
     pipeline_bound_s,
+    reduction_kind_of,
     replay_is_exact,
     stage_reduction_floors,
     tailed_bound_s,
@@ -45,8 +47,6 @@ from hetplan.search.het_space import (
 from hetplan.search.het_tables import Knobs
 from hetplan.search.het_variants import count_pipelines, layer_splits, pipeline_shapes, placements
 
-Slot = tuple[int, int]
-"""A stage of a selection: (position of its pipeline in the selection, stage)."""
 Queued = tuple[float, int, "Enumeration", tuple[tuple[int, int], ...], int, bool, bool]
 """A selection in line to be placed: its bound, its place in line, its enumeration, the
 selection, its ZeRO stage, sequence parallelism, and whether its bound holds its
@@ -269,14 +269,16 @@ class Enumeration:
         return hit
 
     def pipe_bound_s(self, i: int, m: int, shards: int) -> float:
-        """Returns the replay bound of pipeline ``i`` running ``m`` micro-batches."""
+        """Returns the replay bound of pipeline ``i`` running ``m`` micro-batches (on the
+        replay ``_spans_of`` keeps for the reductions' bounds too)."""
         key = (i, m, shards)
         hit = self._bound.get(key)
         if hit is None:
             pipe = self.pipes[i]
             hit = self._bound[key] = pipeline_bound_s(
-                self.knobs.schedule, m, pipe.fwd_c, pipe.bwd_c, pipe.sends, self.opts(pipe, shards)
-            )
+                self.knobs.schedule, m, pipe.fwd_c, pipe.bwd_c, pipe.sends,
+                self.opts(pipe, shards), self._spans_of(i, m),
+            )  # fmt: skip
         return hit
 
     def _spans_of(self, i: int, m: int) -> tuple[list[float], list[float]] | None:
@@ -302,11 +304,8 @@ class Enumeration:
         if hit is None:
             ranges = []
             for i, _ in sel:
-                a, rng = 0, []
-                for x in self.pipes[i].layers:
-                    rng.append((a, a + x))
-                    a += x
-                ranges.append(tuple(rng))
+                ends = list(itertools.accumulate(self.pipes[i].layers))
+                ranges.append(tuple(zip([0, *ends[:-1]], ends, strict=True)))
             hit = []
             for n_params, holders in segment_holders(ranges, self.s.model):
                 if len(holders) > 1 and n_params > 0:
@@ -317,11 +316,11 @@ class Enumeration:
 
     def _spread_floors(self, sel: tuple[tuple[int, int], ...]) -> dict[Slot, float]:
         """Returns, per stage of the selection, its reductions' floor per byte an all-reduce
-        moves per parameter wherever the stages are placed: per segment,
-        ``comm.spread_floor_s_per_byte`` of its holders by class (each class's nodes, and
-        the TP groups a node holds)."""
-        out: dict[Slot, float] = {}
-        for n_tp, holders in self._segments(sel):
+        moves per parameter wherever the stages are placed (``dp_sync.holder_floors``): per
+        segment, ``comm.spread_floor_s_per_byte`` of its holders by class (each class's
+        nodes, and the TP groups a node holds)."""
+
+        def by_class(holders: Sequence[Slot]) -> float:
             count = [0] * len(self.tables)
             for r, j in holders:
                 count[self.pipes[sel[r][0]].classes[j]] += 1
@@ -331,9 +330,9 @@ class Enumeration:
                 parts = [(t.cls.nodes[0], n, len(t.cls.nodes), t.cls.gpus_per_node // t.tp)
                          for t, n in zip(self.tables, count, strict=True)]  # fmt: skip
                 f = self._spread[key] = spread_floor_s_per_byte(parts, self.s.params)
-            for h in holders:
-                out[h] = out.get(h, 0.0) + n_tp * f
-        return out
+            return f
+
+        return holder_floors(self._segments(sel), by_class)
 
     def _placed_floors(
         self, sel: tuple[tuple[int, int], ...], layout: dict[Slot, tuple[str, ...]]
@@ -341,22 +340,18 @@ class Enumeration:
         """Returns ``dp_sync.placed_reduction_floors`` of the selection placed so: per
         segment, ``comm.group_floor_s_per_byte`` of its holders' first devices' nodes."""
         node = self.s.bounds.node  # type: ignore[union-attr]
-        out: dict[Slot, float] = {}
-        for n_tp, holders in self._segments(sel):
-            t = n_tp * group_floor_s_per_byte([node(layout[h][0]) for h in holders],
-                                              self.s.params)  # fmt: skip
-            for h in holders:
-                out[h] = out.get(h, 0.0) + t
-        return out
+
+        def first_devices(holders: Sequence[Slot]) -> float:
+            return group_floor_s_per_byte([node(layout[h][0]) for h in holders], self.s.params)
+
+        return holder_floors(self._segments(sel), first_devices)
 
     def spread_bound_s(self, sel: tuple[tuple[int, int], ...], z: int) -> float:
         """Returns ``selection_bound_s`` of the selection under ZeRO stage ``z`` with its
         reductions wherever it is placed (``_spread_floors``): a bound of every placement."""
-        d = len(sel)
-        pipelined = any(len(self.pipes[i].layers) > 1 for i, _ in sel)
-        kind = self._kind(z, d, pipelined, len({m for _, m in sel}) > 1)
+        kind = self._kind(sel, z)
         floors = {} if kind is None else self._spread_floors(sel)
-        return self.selection_bound_s(sel, d if z else 1, kind, floors)
+        return self.selection_bound_s(sel, len(sel) if z else 1, kind, floors)
 
     def selection_bound_s(
         self,
@@ -646,7 +641,7 @@ class Enumeration:
             if all(self._fits_at(i, m, z, d) for i, m in sel):
                 sp = s.sequence_parallel_for(any_tp)
                 # its reductions are charged when it comes first in line (``spread_bound_s``)
-                tight = self._kind(z, d, pipelined, uneven) is None
+                tight = self._kind(sel, z) is None
                 self.queue.append((bound, len(self.queue), self, sel, z, sp, tight))
         # a bound and a memory check per pipeline and ZeRO choice
         return self.work.spend(COMPLETE_UNITS * d * len(zeros))
@@ -659,8 +654,7 @@ class Enumeration:
         assert s.bounds is not None
         seqs = [self.pipes[i].classes for i, _ in sel]
         shards = len(sel) if z else 1
-        pipelined = any(len(q) > 1 for q in seqs)
-        kind = self._kind(z, len(sel), pipelined, len({m for _, m in sel}) > 1)
+        kind = self._kind(sel, z)
         for layout in placements(self.tables, seqs, list(sel)):  # copies: same (pipe, m)
             if not self.work.spend(PLACE_UNITS):
                 return False
@@ -699,12 +693,13 @@ class Enumeration:
             s.evaluate(plan)
         return True
 
-    def _kind(self, z: int, d: int, pipelined: bool, uneven: bool) -> tuple[float, bool] | None:
+    def _kind(self, sel: tuple[tuple[int, int], ...], z: int) -> tuple[float, bool] | None:
         """Returns ``het_bounds.reduction_kind`` of the selection's plans under ZeRO stage
         ``z`` (they overlap their reductions: the ``Plan`` default)."""
-        if d <= 1 or (z >= 2 and not deferred(z, d, pipelined, uneven)):
-            return None
-        return reduction_bytes_per_param(z, self.knobs.precision), True
+        d = len(sel)
+        pipelined = any(len(self.pipes[i].layers) > 1 for i, _ in sel)
+        late = z >= 2 and deferred(z, d, pipelined, len({m for _, m in sel}) > 1)
+        return reduction_kind_of(z, d, self.knobs.precision, True, late)
 
     def _fits_at(self, i: int, m: int, z: int, d: int) -> bool:
         """Returns ``fits`` of pipeline ``i`` at ``m`` micro-batches with its state under
