@@ -2,6 +2,7 @@
 on large markets, and GPT-3 175B over the default market.
 
 Run: .venv/bin/python bench/bench_provision.py [--quick] [--mix-bounds] [--mixes LIMIT]
+[--floor-gaps] [--mix-searches N] [--only]
 """
 
 from __future__ import annotations
@@ -13,13 +14,14 @@ import time
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from hetplan.market import load_market, market_from_dict
+from hetplan.market import Offer, load_market, market_from_dict
 from hetplan.model import load_model
 from hetplan.search.provision import provision
-from hetplan.search.provision_points import gpus_label
+from hetplan.search.provision_points import ProvisionJob, gpus_label
 
 TYPES = [
     ("A100-80GB", 8, 3.43),
@@ -240,27 +242,11 @@ def default_market_mix_bounds(console: Console) -> None:
     fewest-stages spot bound and the type-aware batch floor (``provision_mixbatch``); and those
     whose time bound is below the fastest single-type point (no front point can prune them:
     they must be planned, or a tighter time bound found). CPU seconds of each step."""
-    from dataclasses import replace as dc_replace
-
-    import numpy as np
-
-    from hetplan.cost.params import default_params
     from hetplan.search import provision as prov
     from hetplan.search import provision_mixes as mixes_mod
     from hetplan.search import provision_points as pts
-    from hetplan.search.constraints import PlanConstraints
-    from hetplan.search.provision_dominance import dominators
-    from hetplan.search.spot import SpotTerms
 
-    model = load_model("gpt3-1.3b")
-    terms = dc_replace(SpotTerms(), state_bytes=12.0 * model.total_params())
-    offers = [o for o in load_market(None).offers if o.has_price("spot")]
-    largest = max(o.gpus_per_node for o in offers)  # as provision() sets it
-    job = pts.ProvisionJob(model, 20e9, model.default_global_batch, "fp16", True,
-                           default_params(), terms, True, True, PlanConstraints(),
-                           pricing="spot", largest=largest)  # fmt: skip
-    offers.sort(key=lambda o: o.price("spot") / max(pts.offer_floor(job, o).rate_flops))
-    job = dc_replace(job, dominated_by=dominators(job, offers))  # as provision() does
+    job, offers = _default_spot_job()
     start = time.process_time()
     points: list[pts.Point] = []
     prov._single_types(job, offers, points)
@@ -293,6 +279,132 @@ def default_market_mix_bounds(console: Console) -> None:
         f"{int(before.sum()):,}", f"{int(first.sum()):,}", f"{int(live.sum()):,}",
         f"{int((live & (grid.t_lb < fastest)).sum()):,}", f"{singles_s:.1f}",
         f"{old_s:.1f} / {grid_s:.1f}", f"{stage_s:.1f}",
+    )  # fmt: skip
+    console.print(table)
+
+
+def _default_spot_job() -> tuple[ProvisionJob, list[Offer]]:
+    """Returns (job, spot offers sorted as ``provision`` sorts them) for GPT-3 1.3B on 2e10
+    tokens over the default market's spot offers, as ``provision --spot --mixes`` builds
+    them."""
+    from dataclasses import replace as dc_replace
+
+    from hetplan.cost.params import default_params
+    from hetplan.search import provision_points as pts
+    from hetplan.search.constraints import PlanConstraints
+    from hetplan.search.provision_dominance import dominators
+    from hetplan.search.spot import SpotTerms
+
+    model = load_model("gpt3-1.3b")
+    terms = dc_replace(SpotTerms(), state_bytes=12.0 * model.total_params())
+    offers = [o for o in load_market(None).offers if o.has_price("spot")]
+    largest = max(o.gpus_per_node for o in offers)  # as provision() sets it
+    job = pts.ProvisionJob(model, 20e9, model.default_global_batch, "fp16", True,
+                           default_params(), terms, True, True, PlanConstraints(),
+                           pricing="spot", largest=largest)  # fmt: skip
+    offers.sort(key=lambda o: o.price("spot") / max(pts.offer_floor(job, o).rate_flops))
+    return dc_replace(job, dominated_by=dominators(job, offers)), offers
+
+
+def floor_gaps(console: Console) -> None:
+    """Issue 14: where the proven iteration floors are loose. Per spot offer of the default
+    market and GPU count (GPT-3 1.3B, batch 512, fp16): the single-type floor provisioning
+    prunes with (the throughput, path and coupled floors and the batch floor, at their least
+    over the micro-batch sizes) against the best plan the homogeneous search finds on that
+    many GPUs (idle GPUs allowed, as provisioning plans them). A ratio near 1 is a tight
+    floor; mixes inherit the looseness of their types' floors at large counts."""
+    from hetplan.search import provision_points as pts
+    from hetplan.search.homogeneous import search_homogeneous
+    from hetplan.search.provision_batch import batch_floor_s
+    from hetplan.search.provision_bounds import iteration_floor_s
+
+    job, offers = _default_spot_job()
+    counts = (32, 128, 256, 512, 1024)
+    table = Table(title="Default spot market, GPT-3 1.3B: best plan / iteration floor, by GPUs")
+    table.add_column("offer")
+    for n in counts:
+        table.add_column(f"{n} GPUs", justify="right")
+    for offer in offers:
+        floor = pts.offer_floor(job, offer)
+        row = [offer.name]
+        for n in counts:
+            nodes = n // offer.gpus_per_node
+            if nodes < 1 or nodes > offer.max_nodes or n % offer.gpus_per_node:
+                row.append("-")
+                continue
+            gpus = np.array([n])
+            lb = max(
+                float(iteration_floor_s(job.model, job.global_batch, [floor], [gpus])[0]),
+                float(batch_floor_s(job.model, job.global_batch, [floor], gpus)[0]),
+            )
+            cluster = job.limits.apply_to_cluster(offer.cluster(nodes, "spot"))
+            ranked = search_homogeneous(job.model, cluster, job.global_batch, job.precision,
+                                        top_k=1, params=job.params,
+                                        exact_counts=False).ranked  # fmt: skip
+            row.append(f"{ranked[0][1].iteration_time_s / lb:.2f}" if ranked else "no plan")
+        table.add_row(*row)
+    console.print(table)
+
+
+def mix_searches(console: Console, samples: int) -> None:
+    """Issue 14: the per-mix cost of exploring. ``samples`` live mixes of the default spot
+    market (GPT-3 1.3B: live after the single types' front and every proven bound; seeded
+    sample) searched as ``provision_mixes.explore_mixes`` searches them (heterogeneous
+    search under the ceiling the single types' front sets, without the single-type
+    baseline): how many found a plan under it, wall seconds per mix, and the share spent in
+    the generation pass. The live mixes times the mean is what exploring them all costs."""
+    from hetplan.search import heterogeneous as het
+    from hetplan.search import provision as prov
+    from hetplan.search import provision_mixes as mixes_mod
+    from hetplan.search import provision_points as pts
+    from hetplan.search.het_cache import SearchCache
+
+    job, offers = _default_spot_job()
+    points: list[pts.Point] = []
+    prov._single_types(job, offers, points)
+    grid, pairs, _ = mixes_mod.mix_grid(job, offers)
+    first = np.nonzero(pts.front_cost(grid.t_lb, points) > grid.c_lb)[0]
+    mixes_mod.tighten(job, grid, pairs, first)
+    live = np.nonzero(pts.front_cost(grid.t_lb, points) > grid.c_lb)[0]
+    pick = random.Random(1).sample(list(live), min(samples, live.size))
+    at = pts.front_cost_at(points)
+    cache = SearchCache(job.model, job.params)
+    generate = het.SearchState.generate
+    spent = [0.0]
+
+    def timed(state: het.SearchState) -> None:
+        start = time.perf_counter()
+        generate(state)
+        spent[0] += time.perf_counter() - start
+
+    het.SearchState.generate = timed
+    times, found = [], 0
+    try:
+        for q in pick:
+            a, b = pairs[int(grid.pair[q])]
+            cluster = job.limits.apply_to_cluster(
+                mixes_mod.mix_cluster(a, int(grid.na[q]), b, int(grid.nb[q]), job.pricing)
+            )
+            cut = (pts.dominated_from_s(float(grid.usd_hour[q]), points, at)
+                   / pts.iterations(job) / float(grid.slow[q]) * (1 + 1e-9))  # fmt: skip
+            start = time.perf_counter()
+            res = het.search_heterogeneous(job.model, cluster, job.global_batch, job.precision,
+                                           1, job.params, job.flash, job.limits, cache=cache,
+                                           ceiling_s=cut, single_type=False)  # fmt: skip
+            times.append(time.perf_counter() - start)
+            found += bool(res.ranked)
+    finally:
+        het.SearchState.generate = generate
+    table = Table(title=f"Default spot market, GPT-3 1.3B: {len(pick)} sampled live mixes "
+                  "searched under their ceilings")  # fmt: skip
+    for col in ("live mixes", "sampled", "found a plan", "mean s", "median s", "max s",
+                "generation share", "all live at the mean"):  # fmt: skip
+        table.add_column(col, justify="right")
+    total = sum(times)
+    table.add_row(
+        f"{live.size:,}", str(len(pick)), str(found), f"{total / len(times):.3f}",
+        f"{float(np.median(times)):.3f}", f"{max(times):.2f}",
+        f"{spent[0] / total:.0%}", f"{live.size * total / len(times) / 60:.0f} min",
     )  # fmt: skip
     console.print(table)
 
@@ -372,13 +484,21 @@ def main() -> None:
     """Prints the tables (--quick: fewer cases; --mix-bounds: what the proven bounds decide
     for the default market's spot mixes; --mixes-default MODEL: the default market's
     spot mixes, which can take long; --mixes LIMIT: the whole `provision --spot --mixes`
-    command on the default market with --time-limit LIMIT, or none)."""
+    command on the default market with --time-limit LIMIT, or none; --floor-gaps: best
+    plan over floor per offer and GPU count; --mix-searches N: N sampled live mixes
+    searched; --only: none of the default tables)."""
     console = Console(width=200)
     quick = "--quick" in sys.argv
-    correctness(console, 5 if quick else 12)
-    gpt3_default_market(console)
-    break_even_by_hand(console)
-    owned_and_rented(console)
+    only = "--only" in sys.argv
+    if not only:
+        correctness(console, 5 if quick else 12)
+        gpt3_default_market(console)
+        break_even_by_hand(console)
+        owned_and_rented(console)
+    if "--floor-gaps" in sys.argv:
+        floor_gaps(console)
+    if "--mix-searches" in sys.argv:
+        mix_searches(console, int(sys.argv[sys.argv.index("--mix-searches") + 1]))
     if "--mixes" in sys.argv:
         default_market_mixes_limited(console, sys.argv[sys.argv.index("--mixes") + 1])
     if "--mix-bounds" in sys.argv:
@@ -386,7 +506,7 @@ def main() -> None:
     if "--mixes-default" in sys.argv:
         name = sys.argv[sys.argv.index("--mixes-default") + 1]
         default_market_spot_mixes(console, name, 20e9)
-    if not quick:
+    if not (quick or only):
         large_markets(console)
 
 
