@@ -257,3 +257,41 @@ def test_homogeneous_cutoff_returns_the_best_below_it_and_nothing_above():
     assert search_homogeneous(model, cl, 64, "fp16", top_k=1, cutoff=t * (1 - 1e-6)).ranked == []
     again = search_homogeneous(model, cl, 64, "fp16", top_k=1, cutoff=t * (1 + 1e-6)).ranked
     assert again[0][1].iteration_time_s == t
+
+
+def test_past_the_time_limit_mixes_keep_their_cheap_bounds():
+    """Once --time-limit has passed no mix is planned, so the mixes' costlier bounds, which
+    only list the mixes left, are not computed either: every pair of offers gets the
+    throughput, path and coupled floors alone (``mix_grid`` without the batch floor, exactly)
+    and ``tighten`` leaves them as they are. Without a limit the same mixes get bounds at least
+    those and, on some, more than 1% higher: the limit is what kept them low."""
+    import time
+
+    model = load_model(MODEL)
+    market = market_from_dict({"offers": [
+        {**MARKETS[0][0], "max_nodes": 8}, {**MARKETS[0][1], "max_nodes": 2},
+    ]})  # fmt: skip
+    offers = list(market.offers)
+    terms = SpotTerms(state_bytes=12.0 * model.total_params())
+
+    def job(stop_at: float | None) -> pts.ProvisionJob:
+        return pts.ProvisionJob(model, TOKENS, BATCH, "fp16", True, default_params(), terms,
+                                True, True, pricing="spot", stop_at=stop_at)  # fmt: skip
+
+    late = job(time.monotonic() - 1.0)
+    assert late.out_of_time() and not job(None).out_of_time()
+    grid, pairs, _ = mixes_mod.mix_grid(late, offers)
+    cheap, _, _ = mixes_mod.mix_grid(job(None), offers, batch=False)
+    assert grid.t_lb.size > 4
+    np.testing.assert_array_equal(grid.na, cheap.na)
+    np.testing.assert_array_equal(grid.nb, cheap.nb)
+    np.testing.assert_array_equal(grid.t_lb, cheap.t_lb)
+    kept = grid.t_lb.copy()
+    mixes_mod.tighten(late, grid, pairs, np.arange(grid.t_lb.size))
+    np.testing.assert_array_equal(grid.t_lb, kept)
+    full, full_pairs, _ = mixes_mod.mix_grid(job(None), offers)
+    np.testing.assert_array_equal(full.na, cheap.na)
+    np.testing.assert_array_equal(full.nb, cheap.nb)
+    mixes_mod.tighten(job(None), full, full_pairs, np.arange(full.t_lb.size))
+    assert np.all(full.t_lb >= cheap.t_lb)
+    assert np.any(full.t_lb > 1.01 * cheap.t_lb)

@@ -7,7 +7,6 @@ with the heterogeneous search until every mix is planned or pruned (``explore_mi
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -66,7 +65,9 @@ def mix_grid(
     pairs, and how many configurations have none (past --max-gpus, a spot run that never
     finishes, or too little memory for the model's state: the heterogeneous search's own
     refusal), counted by reason in ``job.impossible``. ``batch``: with the batch floor
-    (``provision_batch``; False only to count what it prunes)."""
+    (``provision_batch``; False only to count what it prunes); once ``job.stop_at`` has
+    passed, the pairs left get the cheap floors alone (still proven, looser: no mix is
+    planned after it, so they only list the mixes left)."""
     from hetplan.search.heterogeneous import _state_floor_bytes
 
     model, spot = job.model, job.spot
@@ -121,7 +122,7 @@ def mix_grid(
             ok &= ~stood_in
             xs, ys = np.nonzero(ok)  # the iteration floor only where a plan could finish
             slow_ok = np.broadcast_to(slow, total.shape)[xs, ys]
-            if batch:  # whole micro-batches, layers and GPUs, size by size
+            if batch and not job.out_of_time():  # whole micro-batches, layers and GPUs
                 it_lb = mix_iteration_floor_s(model, job.global_batch, (fa, fb), ga[xs, 0],
                                               gb[0, ys], aware=False)  # fmt: skip
             else:
@@ -184,7 +185,7 @@ def explore_mixes(
             live, t_lb, c_lb, front = live[~dom], t_lb[~dom], c_lb[~dom], front[~dom]
             if not live.size:
                 break
-        if job.stop_at is not None and time.monotonic() >= job.stop_at:
+        if job.out_of_time():
             order = np.lexsort((grid.c_lb[live], grid.t_lb[live]))
             left = [unexplored_of(grid, pairs, int(q)) for q in live[order]]
             return planned, pruned, left
@@ -233,8 +234,12 @@ def tighten(
     """Raises the bounds of mixes ``idx`` to the costlier floors, so only where the first
     bound leaves them live: on spot, the bound over the fewest stages of any pipeline
     (``provision_stages.mix_time_floor_s``, type-aware batch floor included); on demand, the
-    type-aware batch floor (each GPU at its own type's times, ``provision_mixbatch``)."""
+    type-aware batch floor (each GPU at its own type's times, ``provision_mixbatch``). Once
+    ``job.stop_at`` has passed, the pairs left keep their first bounds (no mix is planned
+    after it: the bounds only list the mixes left)."""
     for k, (a, b) in enumerate(pairs):
+        if job.out_of_time():
+            return
         sel = idx[grid.pair[idx] == k]
         if not sel.size:
             continue

@@ -7,6 +7,7 @@ prunes with (``offer_floor``, built from the cost model's own per-layer times).
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -101,7 +102,8 @@ class ProvisionJob:
     impossible: dict[str, int] = field(default_factory=dict)
     """Configurations with no possible plan so far, by reason (``IMPOSSIBLE_REASONS``)."""
     stop_at: float | None = None
-    """``time.monotonic()`` after which no further mix is planned (``--time-limit``)."""
+    """``time.monotonic()`` after which no further mix is planned (``--time-limit``), and
+    the mixes' costlier bounds are no longer computed (``provision_mixes``)."""
     pricing: str = "on-demand"
     """The price every offer is rented at (``market.PRICINGS``); spot also means
     preemptions (``spot``)."""
@@ -118,6 +120,10 @@ class ProvisionJob:
     """The most GPUs a node of any configuration holds: a data-parallel group spans at
     least one node per that many members beyond the first node's (the gradient reductions'
     floors, ``TypeFloor.reduce_tp``); None: no such floor."""
+
+    def out_of_time(self) -> bool:
+        """Returns whether ``stop_at`` has passed."""
+        return self.stop_at is not None and time.monotonic() >= self.stop_at
 
     def tick(self, planned: int, pruned: int, best: list[Point]) -> None:
         """Counts configurations and tells ``progress`` (best: the fastest time to train)."""
