@@ -213,8 +213,8 @@ def test_density_bound_binds_where_groups_barely_outnumber_micro_batches():
     state = het._State(model, cluster, device_classes(cluster), 8, "fp16", params, True)
     knobs = Knobs(1, "none", 0, 1, "fp16", True, "1F1B", 1)
     tps = tuple(1 for _ in state.classes)
-    taus, phi = state._work(tps, knobs)
-    least = phi + model.layers * taus[0]
+    rates, phi = state._work(tps, knobs)
+    least = phi + model.layers * rates.taus[0]
     bound = state.combo_bound_s(tps, knobs)
     assert bound >= least * 64 / 37 * (1 - 1e-9)
     devices = [f"a100-40gb-0:{i}" for i in range(4)] + ["t4-0:0", "t4-0:1"]

@@ -6,6 +6,7 @@ pipeline-selection MILP (grouping.py), each selected plan queued with its twins.
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, field, replace
 
@@ -37,35 +38,78 @@ class _Setting:
     variants: Variants | None
 
 
-def capacity_bound_s(taus: list[float], layer_work: float, fixed_s: float, most: int) -> float:
-    """Returns the least iteration time in which TP groups with per-layer times ``taus``
-    (fastest first) can run ``layer_work`` layer-micro-batches and ``fixed_s`` seconds of
-    fixed costs, at most ``most`` groups computing layers: with time T, a group spending
-    F on fixed costs runs (T - F) / tau layers; the fixed costs go to the slowest groups
-    (any group may absorb them), the layers to the ``most`` fastest. A lower bound of any
-    plan's time, since no group works longer than the iteration.
+@dataclass(frozen=True)
+class Rates:
+    """TP groups' least times per layer and micro-batch, fastest first, with the sums
+    ``capacity_bound_s`` reads of them (each summed in the order it states, once)."""
+
+    taus: list[float]
+    fast: list[float]
+    """``fast[k]``: the sum of 1 / tau over the k fastest groups."""
+    slow: np.ndarray
+    """The times, slowest first."""
+    used: np.ndarray
+    """``used[q]``: the sum of 1 / tau over the q slowest groups (q < n)."""
+    filled: np.ndarray
+    """0, 1, ..., n - 1 (as floats)."""
+
+    @classmethod
+    def of(cls, taus: list[float]) -> Rates:
+        """Returns the rates of times ``taus`` (fastest first)."""
+        slow = sorted(taus, reverse=True)
+        fast = list(itertools.accumulate((1.0 / t for t in taus), initial=0.0))
+        used = list(itertools.accumulate((1.0 / t for t in slow), initial=0.0))[:-1]
+        return cls(taus, fast, np.array(slow), np.array(used), np.arange(len(taus), dtype=float))
+
+
+def capacity_bound_s(rates: Rates, layer_work: float, fixed_s: float, most: int) -> float:
+    """Returns the least iteration time in which TP groups with per-layer times
+    ``rates.taus`` (fastest first) can run ``layer_work`` layer-micro-batches and
+    ``fixed_s`` seconds of fixed costs, at most ``most`` groups computing layers: with time
+    T, a group spending F on fixed costs runs (T - F) / tau layers; the fixed costs go to the
+    slowest groups (any group may absorb them), the layers to the ``most`` fastest. A lower
+    bound of any plan's time, since no group works longer than the iteration.
 
     The room left for layers, ``T * rate - cost(T)``, grows with T and is linear between
-    the points where one more slow group is filled with fixed costs: solved per piece."""
-    rate = sum(1.0 / t for t in taus[:most])
-    slow = sorted(taus, reverse=True)
-    n = len(slow)
+    the points where one more slow group is filled with fixed costs: solved per piece (q
+    groups filled, group q takes the rest: T in [fixed / (q + 1), fixed / q]), all pieces at
+    once."""
+    rate = rates.fast[min(max(most, 0), len(rates.taus))]
     if fixed_s <= 0:
         return layer_work / rate * (1.0 - 1e-9)
-    best = math.inf
-    prefix = [0.0]  # sum of 1/tau over the q slowest groups
-    for tau in slow:
-        prefix.append(prefix[-1] + 1.0 / tau)
-    for q in range(n):
-        # q groups filled, group q takes the rest: T in [fixed / (q + 1), fixed / q]
-        used = prefix[q]
-        tau = slow[q]
-        t = (layer_work + fixed_s / tau) / (rate - used + q / tau)
+    tau, q = rates.slow, rates.filled
+    with np.errstate(divide="ignore", invalid="ignore"):
+        t = (layer_work + fixed_s / tau) / (rate - rates.used + q / tau)
         lo = fixed_s / (q + 1)
-        hi = fixed_s / q if q else math.inf
-        if t <= hi:
-            best = min(best, max(t, lo))
-    return best * (1.0 - 1e-9)
+        hi = np.where(q > 0, fixed_s / q, math.inf)
+    ok = t <= hi
+    if not ok.any():
+        return math.inf
+    return float(np.maximum(t, lo)[ok].min()) * (1.0 - 1e-9)
+
+
+def pipeline_shapes_of(
+    total: int, groups: int, depth: int, lo: int, hi: int
+) -> list[tuple[int, int]]:
+    """Returns every distinct (m, p) over d = lo..hi pipelines (``band_bound_s``): one of
+    them runs m = ceil(total / d) micro-batches on at most p = max(1, min(depth,
+    groups - d + 1)) stages. Both fall as d grows, so each pair holds over a run of d: the
+    first d of each run is taken (m stays until d passes (total - 1) // (m - 1); p stays at
+    ``depth`` while d <= groups - depth + 1, then falls by one a step down to 1)."""
+    out: list[tuple[int, int]] = []
+    d = lo
+    while d <= hi:
+        m = math.ceil(total / d)
+        p = max(1, min(depth, groups - d + 1))
+        if not out or out[-1] != (m, p):  # a run can end where neither changes
+            out.append((m, p))
+        end = hi if m <= 1 else (total - 1) // (m - 1)  # the last d with this m
+        if groups - d + 1 > depth:
+            end = min(end, groups - depth + 1)  # the last d with p = depth
+        elif groups - d + 1 > 1:
+            end = d  # p falls with the next d
+        d = max(d, min(end, hi)) + 1
+    return out
 
 
 @dataclass
@@ -76,7 +120,7 @@ class SearchState(CandidatePool):
 
     memo: MilpMemo = field(default_factory=MilpMemo)
     frontiers: FrontierCache = field(default_factory=dict)
-    work_memo: dict[tuple[object, ...], tuple[list[float], float]] = field(default_factory=dict)
+    work_memo: dict[tuple[object, ...], tuple[Rates, float]] = field(default_factory=dict)
     settings: dict[tuple[object, ...], _Setting] = field(default_factory=dict)
     ratio_memo: dict[tuple[object, ...], float] = field(default_factory=dict)
 
@@ -114,10 +158,11 @@ class SearchState(CandidatePool):
         groups = sum(len(c.groups(t)) for c, t in zip(self.classes, tps, strict=True))
         return self.band_bound_s(tps, knobs, 1, max(1, min(groups, total)))
 
-    def _work(self, tps: tuple[int, ...], knobs: Knobs) -> tuple[list[float], float]:
-        """Returns every TP group's least time per layer and micro-batch, fastest first,
-        and the least fixed time one micro-batch costs its pipeline (``stage_times`` with
-        no layers: one stage holding embedding and head, or a first and a last stage)."""
+    def _work(self, tps: tuple[int, ...], knobs: Knobs) -> tuple[Rates, float]:
+        """Returns every TP group's least time per layer and micro-batch, fastest first
+        (``Rates``), and the least fixed time one micro-batch costs its pipeline
+        (``stage_times`` with no layers: one stage holding embedding and head, or a first
+        and a last stage)."""
         hit = self.work_memo.get((tps, knobs))
         if hit is not None:
             return hit
@@ -127,7 +172,7 @@ class SearchState(CandidatePool):
         split = min(t.stage_s(0, True, False) for t in tables) + min(
             t.stage_s(0, False, True) for t in tables
         )
-        hit = self.work_memo[(tps, knobs)] = (taus, min(single, split))
+        hit = self.work_memo[(tps, knobs)] = (Rates.of(taus), min(single, split))
         return hit
 
     def combos(
@@ -258,24 +303,22 @@ class SearchState(CandidatePool):
         ``total / groups`` micro-batches per stage, and the same form with that many
         (rounded up to whole ones) holds for it at its depth, whatever it is."""
         total = self.global_batch // knobs.micro_batch
-        taus, phi = self._work(tps, knobs)
+        rates, phi = self._work(tps, knobs)
+        taus = rates.taus
         v = knobs.virtual_stages
         depth = min(self.model.layers // v, MAX_STAGES)
         layers = self.model.layers
         # every pipeline holds every layer: with lo or more, each reduces its gradients
         held = layers * self._reduction_ratio(tps, knobs, lo)
-        whole = capacity_bound_s(taus, total * layers + lo * held, total * phi, hi * depth)
+        whole = capacity_bound_s(rates, total * layers + lo * held, total * phi, hi * depth)
         one = math.ceil(total / hi)
-        out = max(whole, capacity_bound_s(taus, (one * layers) + held, one * phi, depth))
+        out = max(whole, capacity_bound_s(rates, (one * layers) + held, one * phi, depth))
         least = phi + layers * taus[0]
 
         def fill(m: int, p: int) -> float:  # the closed form: m micro-batches, p stages
             return least / (v * (1.0 - (1.0 - 1.0 / (m * v)) ** p))
 
-        piped = min(
-            fill(math.ceil(total / d), max(1, min(depth, len(taus) - d + 1)))
-            for d in range(lo, hi + 1)
-        )
+        piped = min(fill(m, p) for m, p in pipeline_shapes_of(total, len(taus), depth, lo, hi))
         # some pipeline runs at least total / groups micro-batches per stage (the stages of
         # all pipelines are at most the TP groups): with p stages it runs m >= that x p
         # whole micro-batches, and the closed form grows with m

@@ -22,7 +22,7 @@ from hetplan.search.het_templates import (
     compositions,
     make_templates,
 )
-from hetplan.search.partition import best_on_frontier
+from hetplan.search.partition import Partition, best_on_frontier
 
 MAX_STAGES = 32
 TEMPLATE_BUDGET = 400
@@ -146,8 +146,12 @@ def build_plan(
         (r, j): next(pools[k]) for k, _, r, j in slots
     }
     pipelines = []
+    parts: dict[tuple[int, int], Partition] = {}  # copies of one (template, m): looked up once
     for r, (v, m) in enumerate(pipes):
-        part = best_on_frontier(list(templates[keys[v][0]].frontier), m)
+        i = keys[v][0]
+        part = parts.get((i, m))
+        if part is None:
+            part = parts[(i, m)] = best_on_frontier(list(templates[i].frontier), m)
         stages = tuple(Stage(part.layers[j], devices[(r, j)]) for j in range(len(seqs[r])))
         pipelines.append(Pipeline(m * knobs.micro_batch, stages))
     sp = knobs.sequence_parallel
