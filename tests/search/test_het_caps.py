@@ -73,3 +73,42 @@ def test_max_layers_depends_on_the_key_alone(sched, v):
             by_key.setdefault(cap_key(sched, v, j, p), set()).add(caps)
     assert all(len(found) == 1 for found in by_key.values())
     assert len({c for found in by_key.values() for c in found}) > 1
+
+
+def _tables_tp(rc: str, mb: int, flash: bool, tp: int, sp: bool | None = None):
+    knobs = Knobs(mb, rc, 1, 2, "fp16", flash, "1F1B", 1, sequence_parallel=sp, zero_choices=(1,))
+    return [class_table(MODEL, c, tp, knobs, default_params()) for c in device_classes(CLUSTER)]
+
+
+def test_flash_attention_leaves_selective_recomputation_nothing_to_drop():
+    # Korthikanti et al. 2022: selective recomputation drops the attention's s^2 terms
+    # (softmax output, dropout mask and output), which flash attention never stores
+    for tp in (1, 2):
+        for x, y in zip(_tables_tp("selective", 2, True, tp), _tables_tp("none", 2, True, tp),
+                        strict=True):  # fmt: skip
+            assert x.same_activations(y)
+        for x, y in zip(_tables_tp("selective", 2, False, tp), _tables_tp("none", 2, False, tp),
+                        strict=True):  # fmt: skip
+            assert not x.same_activations(y)
+        for x, y in zip(_tables_tp("full", 2, True, tp), _tables_tp("none", 2, True, tp),
+                        strict=True):  # fmt: skip
+            assert not x.same_activations(y)
+
+
+def test_same_activations_means_the_same_caps_everywhere():
+    """The shortcut of the recomputation dominance check: wherever it says two settings
+    hold the same activations, ``max_layers`` agrees at every position of up to 24 stages
+    (computed in full); over settings where both answers occur."""
+    settings = list(itertools.product(("none", "selective", "full"), (1, 4), (True, False),
+                                      (1, 2), (None, False)))  # fmt: skip
+    tables = {s: _tables_tp(*s) for s in settings}
+    shortcut = 0
+    for a, b in itertools.combinations(settings, 2):
+        if a[1:] != b[1:]:  # the check compares recomputations of one setting
+            continue
+        for x, y in zip(tables[a], tables[b], strict=True):
+            if x.same_activations(y):
+                shortcut += 1
+                for p in range(1, 25):
+                    assert x.caps_row(p) == y.caps_row(p)
+    assert shortcut > 0

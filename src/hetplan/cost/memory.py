@@ -146,6 +146,26 @@ def stage_activation_bytes(
 ) -> float:
     """Returns the activation bytes a stage holds at its peak with ``in_flight`` chunks
     (``held``: for chunks of different sizes, ``schedule.held_layers`` instead)."""
+    layer, embed, head, working = activation_pieces(
+        model, tp, micro_batch, sequence_parallel, recompute, flash_attention, precision
+    )
+    return combine_activation_bytes(layers, layer, embed, head, working, first, last,
+                                    in_flight, v, held)  # fmt: skip
+
+
+def activation_pieces(
+    model: ModelSpec,
+    tp: int,
+    micro_batch: int,
+    sequence_parallel: bool,
+    recompute: str,
+    flash_attention: bool,
+    precision: str = "bf16",
+) -> tuple[float, float, float, float]:
+    """Returns one micro-batch's activation bytes per piece: a layer's, the embedding's,
+    the head's, and the working layer's under full recomputation (0 otherwise), which
+    ``combine_activation_bytes`` weighs by what a stage holds: two settings with the same
+    pieces hold the same activations on every stage."""
     e = element_bytes(precision)
     layer = micro_batch * model.layer_activation_bytes(
         tp, sequence_parallel, recompute, flash_attention, e
@@ -157,8 +177,7 @@ def stage_activation_bytes(
         working = micro_batch * model.layer_activation_bytes(
             tp, sequence_parallel, "none", flash_attention, e
         )
-    return combine_activation_bytes(layers, layer, embed, head, working, first, last,
-                                    in_flight, v, held)  # fmt: skip
+    return layer, embed, head, working
 
 
 def held_chunks(

@@ -257,6 +257,15 @@ class SearchState(CandidatePool):
         pairs = [(1, (0,))] + [(2, zs) for zs in zeros]
         for rc in lighter:
             other = replace(knobs, recompute=rc)
+            # the same activations (flash attention leaves selective recomputation nothing
+            # to drop): the same memory on every stage, so the same caps at every position
+            if all(
+                a.same_activations(b)
+                for a, b in zip(
+                    self.class_tables(tps, knobs), self.class_tables(tps, other), strict=True
+                )
+            ):
+                return True
             same = True
             for lo, zs in pairs:
                 mine = replace(knobs, zero_stage=zs[0], dp_assumed=lo, zero_choices=zs)

@@ -20,6 +20,7 @@ from hetplan.cluster import Node
 from hetplan.cost import comm
 from hetplan.cost.estimate import StageKey, part_split, stage_times
 from hetplan.cost.memory import (
+    activation_pieces,
     stage_activation_bytes,
     stage_params,
     stage_state,
@@ -191,6 +192,23 @@ class ClassTable:
         return stage_activation_bytes(
             self.model, layers, self.tp, k.micro_batch, sp, k.recompute, k.flash_attention,
             first, last, in_flight, k.virtual_stages, k.precision,
+        )  # fmt: skip
+
+    def same_activations(self, other: ClassTable) -> bool:
+        """Returns whether a stage of this table holds the same activations as one of
+        ``other`` wherever it sits and whatever it holds, under every sequence-parallel
+        choice (``activation_pieces``: those are all a stage's activations depend on, so
+        two tables that also agree on everything else have the same ``max_layers``)."""
+        mine = {sp for sp, _ in self._choices()}
+        if mine != {sp for sp, _ in other._choices()}:
+            return False
+        a, b = self.knobs, other.knobs
+        return all(
+            activation_pieces(self.model, self.tp, a.micro_batch, sp, a.recompute,
+                              a.flash_attention, a.precision)
+            == activation_pieces(other.model, other.tp, b.micro_batch, sp, b.recompute,
+                                 b.flash_attention, b.precision)
+            for sp in mine
         )  # fmt: skip
 
     def _choices(self) -> list[tuple[bool, int]]:
