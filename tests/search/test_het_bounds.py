@@ -264,3 +264,36 @@ def test_plan_bound_charges_the_whole_reduction_after_the_first_gradients():
     assert total > 10 * (est.breakdown["backward_s"])  # the case is what it claims
     assert bound <= est.iteration_time_s
     assert bound >= 0.99 * est.iteration_time_s
+
+
+def test_memory_check_of_copies_on_smaller_gpus_agrees_with_estimate():
+    """``PlanBounds.fits`` weighs pipelines of one shape once, at each stage against the
+    least memory of its copies: copies of a GPT-3 2.7B replica (one stage, TP 1), one on an
+    A100-80GB and one on an A100-40GB. Without ZeRO its weights, gradients and Adam state
+    alone take 2.7e9 x 16 bytes = 43 GB: too much for the 40 GB copy only, and the peak
+    reported is that stage's; ZeRO twins (which share the pipelines, and so the memo) fit
+    or not as ``estimate`` says, stage by stage."""
+    from dataclasses import replace
+
+    from hetplan.model import load_model
+
+    model = load_model("gpt3-2.7b")
+    cluster = parse_inline_cluster("A100-80GB:1x1,A100-40GB:1x1")
+    big, small = (f"{n.name}:0" for n in cluster.nodes)
+    pipes = tuple(Pipeline(4, (Stage(model.layers, (dev,)),)) for dev in (big, small))
+    plan = Plan(global_batch_size=8, micro_batch_size=1, pipelines=pipes, precision="bf16",
+                recompute="full", zero_stage=0)  # fmt: skip
+    params = default_params()
+    bounds = PlanBounds(model, cluster, params)
+    outcomes = set()
+    for z in (0, 1, 2, 3):
+        twin = replace(plan, zero_stage=z)
+        est = estimate(twin, model, cluster, params)
+        over = [s.memory.total for s in est.stages if s.memory.total > s.capacity_bytes]
+        ok, worst = bounds.fits(twin)
+        assert ok == est.fits == (not over)
+        assert worst == pytest.approx(max(over, default=0.0), rel=1e-12)
+        outcomes.add(ok)
+    assert outcomes == {True, False}  # both answers occur
+    alone = replace(plan, global_batch_size=4, pipelines=pipes[:1])
+    assert bounds.fits(alone)[0] and not bounds.fits(plan)[0]

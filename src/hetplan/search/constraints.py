@@ -167,9 +167,9 @@ class PlanConstraints:
 
     def violation(self, plan: Plan) -> str | None:
         """Returns the first constraint ``plan`` breaks, as its option name, or None."""
-        stages = [s for p in plan.pipelines for s in p.stages]
+        tps = self.tp
         checks: list[tuple[str, bool]] = [
-            ("--tp", self.tp is None or all(s.tp in self.tp for s in stages)),
+            ("--tp", tps is None or all(s.tp in tps for p in plan.pipelines for s in p.stages)),
             ("--pp", self.pp is None or all(len(p.stages) in self.pp for p in plan.pipelines)),
             ("--dp", self.dp is None or plan.dp in self.dp),
             ("--micro-batch-size",

@@ -251,6 +251,12 @@ LAYOUT_MEMO = 4096
 """Pipelines whose talkers and classes ``PlanBounds`` keeps (cleared when full)."""
 
 
+_Shape = tuple[tuple[int, tuple[int, ...] | None, int], ...]
+"""A pipeline's stages as ``PlanBounds.fits`` reads them: layers, chunks, TP degree."""
+_FitGroup = tuple[_Shape, int, tuple[float, ...]]
+"""Pipelines of one shape and batch share, with the least GPU memory at each stage."""
+
+
 class PlanBounds:
     """Memory and a proven lower bound of ``estimate``'s iteration time for concrete plans
     (devices placed), from ``estimate``'s own pieces; caches stage times, optimizer steps
@@ -280,6 +286,7 @@ class PlanBounds:
         self._largest = max((n.gpus for n in cluster.nodes), default=1)
         self._layouts: dict[tuple[Hashed, bool], tuple[dict[str, int], list[int]]] = {}
         self._placed: dict[Hashed, dict[tuple[int, int], float]] = {}
+        self._fit_layouts: dict[Hashed, list[_FitGroup]] = {}
         self._hashes: dict[int, Hashed] = {}
 
     def node(self, device: str) -> Node:
@@ -297,32 +304,57 @@ class PlanBounds:
         worst = 0.0
         ok = True
         sums: dict[tuple[object, ...], float] = {}  # replicas repeat the same stages: once each
-        for pipe in plan.pipelines:
-            p = len(pipe.stages)
-            m = plan.num_micro_batches(pipe)
-            for j, stage in enumerate(pipe.stages):
-                node = self.node(stage.devices[0])
-                skey = (stage.layers, stage.chunks, stage.tp, j, p, m)
+        for shape, batch, room in self._fit_groups(plan.pipelines):
+            p = len(shape)
+            m = batch // plan.micro_batch_size
+            for j, (layers, chunks, tp) in enumerate(shape):
+                skey = (layers, chunks, tp, j, p, m)
                 total = sums.get(skey)
                 if total is None:
                     first, last = j == 0, j == p - 1
                     state = sum(stage_state(
-                        model, stage.layers, stage.tp, first, last, p == 1, plan.precision,
+                        model, layers, tp, first, last, p == 1, plan.precision,
                         plan.zero_stage, dp, deferred,
                     ))  # fmt: skip
                     units = peak_in_flight(plan.schedule, p, m, plan.virtual_stages, j)
-                    even = held_chunks(stage.layers, plan.virtual_stages, first)
+                    even = held_chunks(layers, plan.virtual_stages, first)
                     acts = stage_activation_bytes(
-                        model, stage.layers, stage.tp, plan.micro_batch_size,
+                        model, layers, tp, plan.micro_batch_size,
                         plan.sequence_parallel, plan.recompute, plan.flash_attention, first,
                         last, units, plan.virtual_stages, plan.precision,
                         held_layers(plan.schedule, p, m, j, even) if even else None,
                     )  # fmt: skip
                     total = sums[skey] = state + acts + self.params.memory_reserve_bytes
-                if total > node.gpu.memory_bytes:
+                if total > room[j]:
                     ok = False
                     worst = max(worst, total)
         return ok, worst
+
+    def _fit_groups(self, pipelines: tuple[Pipeline, ...]) -> list[_FitGroup]:
+        """Returns the pipelines grouped by what ``fits`` reads of them but their nodes
+        (each stage's layers, chunks and TP degree; the batch share), with the least GPU
+        memory at each position over the group: a stage fits on every pipeline of its group
+        exactly when it fits in that least memory, and its peak is the same on all. Memoised
+        by the pipelines (ZeRO, schedule and sequence-parallel twins share them)."""
+        key = self._hashed(pipelines)
+        hit = self._fit_layouts.get(key)
+        if hit is not None:
+            return hit
+        groups: dict[tuple[_Shape, int], list[float]] = {}
+        for pipe in pipelines:
+            shape = tuple((s.layers, s.chunks, s.tp) for s in pipe.stages)
+            mems = [self.node(s.devices[0]).gpu.memory_bytes for s in pipe.stages]
+            room = groups.get((shape, pipe.batch_size))
+            if room is None:
+                groups[(shape, pipe.batch_size)] = mems
+            else:
+                room[:] = [min(a, b) for a, b in zip(room, mems, strict=True)]
+        if len(self._fit_layouts) >= LAYOUT_MEMO:
+            self._fit_layouts.clear()
+        hit = self._fit_layouts[key] = [
+            (shape, batch, tuple(room)) for (shape, batch), room in groups.items()
+        ]
+        return hit
 
     def bound_s(self, plan: Plan, exact: bool = True) -> float:
         """Returns a lower bound of ``estimate(plan).iteration_time_s``: per pipeline, the
