@@ -297,3 +297,49 @@ def test_memory_check_of_copies_on_smaller_gpus_agrees_with_estimate():
     assert outcomes == {True, False}  # both answers occur
     alone = replace(plan, global_batch_size=4, pipelines=pipes[:1])
     assert bounds.fits(alone)[0] and not bounds.fits(plan)[0]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_schedule_bounds_never_exceed_the_estimates_of_the_plans_built(seed, monkeypatch):
+    """The generation skips a selection's plans in every schedule whose template bound
+    (``het_generation.schedule_bounds``) reaches the k-th best estimate: every plan it builds
+    for the selection (both layouts), in every such schedule and ZeRO stage, estimates at
+    least that bound. Asked for every plan (a top-k larger than any pool), nothing is
+    skipped, so every selection's bounds are held against its plans."""
+    from dataclasses import replace
+
+    from hetplan.search import het_generation as gen
+    from hetplan.search.het_space import zero_choices
+
+    rng = random.Random(100 + seed)
+    model, cluster, batch = _random_case(rng)
+    pairs: list[tuple[list, Plan]] = []
+    last: list = []
+    bounds_of, build = gen.schedule_bounds, gen.build_plan
+
+    def recorded_bounds(*args):
+        out = bounds_of(*args)
+        last[:] = [out]
+        return out
+
+    def recorded_build(*args):
+        plan = build(*args)
+        pairs.append((last[0], plan))
+        return plan
+
+    monkeypatch.setattr(gen, "schedule_bounds", recorded_bounds)
+    monkeypatch.setattr(gen, "build_plan", recorded_build)
+    het.search_heterogeneous(model, cluster, batch, "fp16", top_k=10**6)
+    assert pairs
+    params = default_params()
+    checked = 0
+    for forms, plan in rng.sample(pairs, min(len(pairs), 12)):
+        sp = any(s.tp > 1 for p in plan.pipelines for s in p.stages)
+        for (name, v), bound in forms:
+            for z in zero_choices(plan.dp) if plan.dp > 1 else (0,):
+                twin = replace(plan, schedule=name, virtual_stages=v, zero_stage=z,
+                               sequence_parallel=sp)  # fmt: skip
+                est = estimate(twin, model, cluster, params, validate=False)
+                assert bound <= est.iteration_time_s * (1 + 1e-9), (name, v, z)
+                checked += 1
+    assert checked > 0

@@ -14,12 +14,20 @@ import numpy as np
 
 from hetplan.cost.dp_sync import reduction_floor_s
 from hetplan.plan import RECOMPUTE
-from hetplan.search.grouping import MilpMemo, identical_pipelines, select_pipelines
+from hetplan.search.grouping import MilpMemo, Selection, identical_pipelines, select_pipelines
 from hetplan.search.het_pool import CandidatePool
 from hetplan.search.het_space import dp_bands, schedule_options, tp_configs
 from hetplan.search.het_tables import ClassTable, Knobs, cap_positions, per_layer_floor_s
 from hetplan.search.het_templates import FrontierCache, Template
-from hetplan.search.het_variants import MAX_STAGES, Variants, build_plan, build_templates, variants
+from hetplan.search.het_variants import (
+    MAX_STAGES,
+    Variants,
+    bound_fill_s,
+    build_plan,
+    build_templates,
+    variants,
+)
+from hetplan.search.partition import Partition, best_on_frontier
 
 LEADERS = 1
 """(TP degrees, micro-batch) settings whose every recomputation, schedule and ZeRO memory
@@ -432,9 +440,55 @@ class SearchState(CandidatePool):
                 ):
                     picks.append(same)
                 for pick in picks:
+                    schedules = self._open_schedules(templates, var.keys, pick, knobs)
+                    if not schedules:
+                        continue
                     for replica_major in (True, False):
                         plan = build_plan(
                             tables, templates, var.keys, pick, knobs, self.global_batch,
                             replica_major,
                         )  # fmt: skip
-                        self.offer_twins(plan)
+                        self.offer_twins(plan, schedules)
+
+    def _open_schedules(
+        self,
+        templates: list[Template],
+        keys: list[tuple[int, int]],
+        pick: Selection,
+        knobs: Knobs,
+    ) -> list[tuple[str, int]]:
+        """Returns the schedules (``twin_schedules``) in which a selection's plans could
+        still be estimated: those whose ``schedule_bounds`` is below the k-th best estimate
+        and the ceiling. A plan whose bound reaches both is never estimated (the last drain
+        stops at them too), so none is built for them."""
+        limit = min(self.kth_s, self.ceiling_s) if self.prune else math.inf
+        return [form for form, bound in schedule_bounds(self, templates, keys, pick, knobs)
+                if bound < limit]  # fmt: skip
+
+
+def schedule_bounds(
+    pool: CandidatePool,
+    templates: list[Template],
+    keys: list[tuple[int, int]],
+    pick: Selection,
+    knobs: Knobs,
+) -> list[tuple[tuple[str, int], float]]:
+    """Returns each schedule ``pool.twin_schedules`` would queue a selection's plans in,
+    with a lower bound of their estimates: over its pipelines, ``bound_fill_s`` of the split
+    ``build_plan`` takes (its template's stage times) with the schedule's chunks, plus the
+    bottleneck for every further micro-batch. Every placement, ZeRO stage and chunk count
+    of a pipeline takes at least its template's stage times (transfers at the least the
+    cluster allows; ZeRO's collectives and the chunks' transfers and overheads only add; a
+    stage's first chunk holds a v-th of its layers and whole fixed costs), so this bounds
+    the replay as it bounds a template's (``variants``)."""
+    parts: dict[tuple[int, int], Partition] = {}
+    for v, m in zip(pick.variants, pick.micro_batches, strict=True):
+        i = keys[v][0]
+        if (i, m) not in parts:
+            parts[(i, m)] = best_on_frontier(list(templates[i].frontier), m)
+    shapes = {(q.layers, m) for (_, m), q in parts.items()}
+    return [
+        ((name, u), max(bound_fill_s(q.stage_s, u) + (m - 1) * max(q.stage_s)
+                        for (_, m), q in parts.items()))
+        for name, u in pool.twin_schedules(knobs.schedule, knobs.virtual_stages, shapes)
+    ]  # fmt: skip

@@ -178,24 +178,41 @@ class CandidatePool:
         heapq.heappush(self.pending, _Pending(bound, len(self.seen), plan, self.origin))
         return bound
 
-    def offer_twins(self, plan: Plan) -> None:
-        """Queues a plan with every ZeRO stage it may take, with sequence parallelism on
-        wherever a stage has TP > 1 (it only removes forward work and activation memory, so
-        the plan with it off is never better); and, for a 1F1B plan, as Interleaved1F1B
-        with every chunk count its stages and batch shares allow."""
-        sp = self.sequence_parallel_for(any(s.tp > 1 for p in plan.pipelines for s in p.stages))
-        forms = [plan]
-        # what the forms and ZeRO stages read of the pipelines, each distinct shape once
-        shapes = {(tuple(s.layers for s in p.stages), plan.num_micro_batches(p))
-                  for p in plan.pipelines}  # fmt: skip
-        if plan.schedule == "1F1B":
-            for _, v in self.schedules_allowed(schedule_options(self.model.layers)[1:]):
+    def twin_schedules(
+        self, schedule: str, v: int, shapes: set[tuple[tuple[int, ...], int]]
+    ) -> list[tuple[str, int]]:
+        """Returns the schedules ``offer_twins`` queues a plan in (``schedule`` with ``v``
+        chunks; a 1F1B plan also as Interleaved1F1B with every chunk count its stages and
+        batch shares allow), from its pipelines' distinct (layers per stage, micro-batches)
+        ``shapes``."""
+        out = [(schedule, v)]
+        if schedule == "1F1B":
+            for _, u in self.schedules_allowed(schedule_options(self.model.layers)[1:]):
                 if all(
-                    all(n % v == 0 for n in layers)
+                    all(n % u == 0 for n in layers)
                     and (len(layers) == 1 or interleave_fits(len(layers), m))
                     for layers, m in shapes
                 ):
-                    forms.append(replace(plan, schedule="Interleaved1F1B", virtual_stages=v))
+                    out.append(("Interleaved1F1B", u))
+        return out
+
+    def offer_twins(self, plan: Plan, schedules: list[tuple[str, int]] | None = None) -> None:
+        """Queues a plan with every ZeRO stage it may take, with sequence parallelism on
+        wherever a stage has TP > 1 (it only removes forward work and activation memory, so
+        the plan with it off is never better), in every schedule of ``twin_schedules``
+        (``schedules``: those of them the caller has not ruled out)."""
+        sp = self.sequence_parallel_for(any(s.tp > 1 for p in plan.pipelines for s in p.stages))
+        # what the forms and ZeRO stages read of the pipelines, each distinct shape once
+        shapes = {(tuple(s.layers for s in p.stages), plan.num_micro_batches(p))
+                  for p in plan.pipelines}  # fmt: skip
+        if schedules is None:
+            schedules = self.twin_schedules(plan.schedule, plan.virtual_stages, shapes)
+        forms = [
+            plan
+            if (name, v) == (plan.schedule, plan.virtual_stages)
+            else replace(plan, schedule=name, virtual_stages=v)
+            for name, v in schedules
+        ]
         # several pipelines: ZeRO-1 reduces as much as ZeRO-0 and shards the optimizer step
         # and its state, so generation leaves ZeRO-0 to the enumeration
         zeros = zero_choices(plan.dp)[1:] if plan.dp > 1 else (0,)
