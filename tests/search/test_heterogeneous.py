@@ -171,3 +171,31 @@ def test_mixed_plans_interleave_counts_the_stages_do_not_divide():
     plain = search_heterogeneous(model, cluster, 128, "fp16", top_k=1,
                                  constraints=PlanConstraints(schedule=("1F1B",)))  # fmt: skip
     assert est.iteration_time_s < plain.ranked[0][1].iteration_time_s
+
+
+def test_the_two_layouts_differ_only_where_a_pipeline_repeats_a_class(monkeypatch):
+    """The generation builds a selection's replica-major layout alone when no pipeline holds
+    two stages of one class: both layouts then place every stage on the same devices. Every
+    selection the search builds on three mixed clusters, in both layouts: equal plans
+    wherever no class repeats within a pipeline; and some that repeat and differ (the
+    second layout is needed there)."""
+    from hetplan.search import het_generation as gen
+
+    build = gen.build_plan
+    seen = {"same": 0, "differ": 0}
+
+    def both(tables, templates, keys, sel, knobs, batch, replica_major):
+        plan = build(tables, templates, keys, sel, knobs, batch, replica_major)
+        other = build(tables, templates, keys, sel, knobs, batch, not replica_major)
+        seqs = [templates[keys[u][0]].classes for u in sel.variants]
+        if all(len(set(seq)) == len(seq) for seq in seqs):
+            assert plan == other
+            seen["same"] += 1
+        elif plan != other:
+            seen["differ"] += 1
+        return plan
+
+    monkeypatch.setattr(gen, "build_plan", both)
+    for spec in ("A100-80GB:2x4,T4:2x4", "A100-40GB:1x8,V100-16GB:2x4", "A10:2x2,L4:1x4,T4:1x2"):
+        search_heterogeneous(load_model("gpt3-1.3b"), parse_inline_cluster(spec), 32, "fp16")
+    assert seen["same"] > 0 and seen["differ"] > 0

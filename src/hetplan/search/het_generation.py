@@ -443,7 +443,11 @@ class SearchState(CandidatePool):
                     schedules = self._open_schedules(templates, var.keys, pick, knobs)
                     if not schedules:
                         continue
-                    for replica_major in (True, False):
+                    # the two layouts differ only where a pipeline holds two stages of one
+                    # class (else both place its stages in node order alike)
+                    seqs = [templates[var.keys[u][0]].classes for u in pick.variants]
+                    repeats = any(len(set(seq)) < len(seq) for seq in seqs)
+                    for replica_major in (True, False) if repeats else (True,):
                         plan = build_plan(
                             tables, templates, var.keys, pick, knobs, self.global_batch,
                             replica_major,
