@@ -193,6 +193,8 @@ class Enumeration:
         self._spans: dict[tuple[int, int], tuple[list[float], list[float]]] = {}
         self._segs: dict[tuple[int, ...], list[tuple[float, list[Slot]]]] = {}
         self._spread: dict[tuple[int, ...], float] = {}
+        self._groups: dict[tuple[str, ...], float] = {}
+        """``group_floor_s_per_byte`` by its members' node names (in order)."""
         self._largest = max((n.gpus for n in state.cluster.nodes), default=1)
 
     def opt_s(
@@ -340,9 +342,15 @@ class Enumeration:
         """Returns ``dp_sync.placed_reduction_floors`` of the selection placed so: per
         segment, ``comm.group_floor_s_per_byte`` of its holders' first devices' nodes."""
         node = self.s.bounds.node  # type: ignore[union-attr]
+        memo = self._groups
 
         def first_devices(holders: Sequence[Slot]) -> float:
-            return group_floor_s_per_byte([node(layout[h][0]) for h in holders], self.s.params)
+            members = [node(layout[h][0]) for h in holders]
+            key = tuple(n.name for n in members)
+            hit = memo.get(key)
+            if hit is None:
+                hit = memo[key] = group_floor_s_per_byte(members, self.s.params)
+            return hit
 
         return holder_floors(self._segments(sel), first_devices)
 
