@@ -103,3 +103,41 @@ def test_plan_bound_charges_the_nodes_the_holders_span():
     assert bound >= 16 / 3 * fp32 / net  # the whole reduction, by hand
     assert bound >= 0.98 * est
     assert got["packed"][0] < 0.5 * bound  # the packed plan reduces five times faster
+
+
+def test_kept_placements_are_those_of_each_selection(monkeypatch):
+    """The enumeration keeps a selection's placements for the selections of the same shape
+    (``Enumeration._layouts``: TP degrees, classes per pipeline, which pipelines are
+    copies): each selection placed in a search of GPT-2 on three A100 nodes of 4 and a T4
+    node of 2 gets exactly the placements ``placements`` gives it afresh, and most of them
+    come from the memo, from selections of other pipelines and micro-batches."""
+    from hetplan.cluster import Cluster
+    from hetplan.model import load_model
+    from hetplan.search import het_enumeration
+    from hetplan.search.heterogeneous import search_with
+
+    from .conftest import one_offer
+
+    seen = {"calls": 0, "kept": 0, "other": 0}
+    first: dict[object, tuple[tuple[int, int], ...]] = {}
+    place = het_enumeration.Enumeration.place
+
+    def checked(self, bound_s, sel, z, sp):
+        seqs = [self.pipes[i].classes for i, _ in sel]
+        key = (self.tps, tuple(seqs), tuple(list(sel).index(x) for x in sel))
+        kept = key in self.layouts
+        got = list(self._layouts(seqs, sel))
+        assert got == list(placements(self.tables, seqs, list(sel)))
+        seen["calls"] += 1
+        seen["kept"] += kept
+        seen["other"] += kept and first.setdefault(key, sel) != sel
+        first.setdefault(key, sel)
+        return place(self, bound_s, sel, z, sp)
+
+    monkeypatch.setattr(het_enumeration.Enumeration, "place", checked)
+    a, t4 = one_offer("A100-80GB", 4, 3), one_offer("T4", 2, 1)
+    cluster = Cluster(a.cluster(3).nodes + t4.cluster(1).nodes)
+    res = search_with(load_model("gpt2"), cluster, 16, "fp16")
+    assert res.ranked
+    assert seen["calls"] > 20
+    assert seen["other"] > seen["calls"] / 2

@@ -10,7 +10,7 @@ import bisect
 import heapq
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
@@ -66,6 +66,14 @@ COMPLETE_UNITS = 2
 """A complete selection's units per pipeline and ZeRO choice (its bound and memory check)."""
 ENUMERATION_SPLITS = 20_000
 """The most (shape, layer split) pipelines one knob setting may enumerate."""
+LAYOUT_MEMO = 4096
+"""The most placements of one selection's shape kept for the selections of that shape."""
+LAYOUT_MEMO_TOTAL = 200_000
+"""The most placements kept in all (past it the memo starts again)."""
+
+LayoutMemo = dict[tuple[object, ...], list[dict[tuple[int, int], tuple[str, ...]]]]
+"""Placements (``het_variants.placements``) by TP degrees, stage classes per pipeline and
+which pipelines are copies of which."""
 
 
 def enumerate_all(state: SearchState, budget: int = ENUMERATION_BUDGET) -> bool:
@@ -83,10 +91,11 @@ def enumerate_all(state: SearchState, budget: int = ENUMERATION_BUDGET) -> bool:
                           schedule_options(state.model.layers))  # fmt: skip
     work = _Budget(budget)
     queue: list[Queued] = []
+    layouts: LayoutMemo = {}  # settings of the same TP degrees place alike
     for bound_s, tps, knobs in combos:
         if bound_s >= state.cutoff_s:
             break
-        if not Enumeration(state, tps, knobs, work, queue).run():
+        if not Enumeration(state, tps, knobs, work, queue, layouts).run():
             return False
     heapq.heapify(queue)
     while queue and queue[0][0] < state.cutoff_s:
@@ -164,9 +173,11 @@ class Enumeration:
         knobs: Knobs,
         work: _Budget,
         queue: list[Queued],
+        layouts: LayoutMemo | None = None,
     ):
         self.s = state
         self.queue = queue
+        self.layouts: LayoutMemo = {} if layouts is None else layouts
         self.tps = tps
         self.knobs = knobs
         self.work = work
@@ -195,6 +206,9 @@ class Enumeration:
         self._spread: dict[tuple[int, ...], float] = {}
         self._groups: dict[tuple[str, ...], float] = {}
         """``group_floor_s_per_byte`` by its members' node names (in order)."""
+        self._tailed: dict[tuple[object, ...], float] = {}
+        """``tailed_bound_s`` of a pipeline by its micro-batches, shards, reduction kind,
+        pipeline count and its stages' placed floors (placements repeat them)."""
         self._largest = max((n.gpus for n in state.cluster.nodes), default=1)
 
     def opt_s(
@@ -343,13 +357,13 @@ class Enumeration:
         segment, ``comm.group_floor_s_per_byte`` of its holders' first devices' nodes."""
         node = self.s.bounds.node  # type: ignore[union-attr]
         memo = self._groups
+        at = {h: node(devices[0]) for h, devices in layout.items()}
 
         def first_devices(holders: Sequence[Slot]) -> float:
-            members = [node(layout[h][0]) for h in holders]
-            key = tuple(n.name for n in members)
+            key = tuple(at[h].name for h in holders)
             hit = memo.get(key)
             if hit is None:
-                hit = memo[key] = group_floor_s_per_byte(members, self.s.params)
+                hit = memo[key] = group_floor_s_per_byte([at[h] for h in holders], self.s.params)
             return hit
 
         return holder_floors(self._segments(sel), first_devices)
@@ -378,12 +392,20 @@ class Enumeration:
             return max(self.pipe_bound_s(i, m, shards) for i, m in sel)
         s, d = self.s, len(sel)
         out = 0.0
+        memo = self._tailed
         for r, (i, m) in enumerate(sel):
             pipe = self.pipes[i]
             p = len(pipe.classes)
+            placed_t = tuple(floors.get((r, j), 0.0) for j in range(p))
+            pkey = (i, m, shards, kind, d, placed_t)
+            hit = memo.get(pkey)
+            if hit is not None:
+                out = max(out, hit)
+                continue
             tails = []
-            for j, (c, x) in enumerate(zip(pipe.classes, pipe.layers, strict=True)):
-                placed = floors.get((r, j), 0.0)
+            for j, (c, x, placed) in enumerate(
+                zip(pipe.classes, pipe.layers, placed_t, strict=True)
+            ):
                 tkey = (c, x, j == 0, j == p - 1, p == 1, kind, d, placed)
                 tail = self._tails.get(tkey)
                 if tail is None:
@@ -397,6 +419,9 @@ class Enumeration:
                 tails.append(tail)
             b = tailed_bound_s(m, pipe.fwd_c, pipe.bwd_c, pipe.sends, self.opts(pipe, shards),
                                tails, self._spans_of(i, m))  # fmt: skip
+            if len(memo) >= 65536:
+                memo.clear()
+            memo[pkey] = b
             out = max(out, b)
         return out
 
@@ -663,7 +688,7 @@ class Enumeration:
         seqs = [self.pipes[i].classes for i, _ in sel]
         shards = len(sel) if z else 1
         kind = self._kind(sel, z)
-        for layout in placements(self.tables, seqs, list(sel)):  # copies: same (pipe, m)
+        for layout in self._layouts(seqs, sel):  # copies: same (pipe, m)
             if not self.work.spend(PLACE_UNITS):
                 return False
             if kind is not None:  # its own reductions first, before any plan is built
@@ -700,6 +725,29 @@ class Enumeration:
                 return False
             s.evaluate(plan)
         return True
+
+    def _layouts(
+        self, seqs: list[tuple[int, ...]], sel: tuple[tuple[int, int], ...]
+    ) -> Iterable[dict[tuple[int, int], tuple[str, ...]]]:
+        """Returns ``placements`` of the selection's stages, copies being the same (pipeline,
+        micro-batches): kept by TP degrees, stage classes and which pipelines are copies of
+        which (all ``placements`` reads of the selection), as selections of one shape
+        recur (other layer splits, micro-batch counts and knob settings)."""
+        kinds = list(sel)
+        copies = tuple(kinds.index(x) for x in kinds)  # each pipeline's first copy
+        key = (self.tps, tuple(seqs), copies)
+        memo = self.layouts
+        hit = memo.get(key)
+        if hit is not None:
+            return hit
+        found = placements(self.tables, seqs, kinds)
+        head = list(itertools.islice(found, LAYOUT_MEMO + 1))
+        if len(head) > LAYOUT_MEMO:  # too many to keep
+            return itertools.chain(head, found)
+        if sum(len(x) for x in memo.values()) + len(head) > LAYOUT_MEMO_TOTAL:
+            memo.clear()
+        memo[key] = head
+        return head
 
     def _kind(self, sel: tuple[tuple[int, int], ...], z: int) -> tuple[float, bool] | None:
         """Returns ``het_bounds.reduction_kind`` of the selection's plans under ZeRO stage
