@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -322,7 +322,7 @@ def _spread(
 def placements(
     tables: list[ClassTable],
     seqs: list[tuple[int, ...]],
-    kinds: list[object] | None = None,
+    kinds: Sequence[object] | None = None,
 ) -> Iterator[dict[tuple[int, int], tuple[str, ...]]]:
     """Yields every placement of the pipelines' stages (``seqs[r][j]``: class of stage j of
     pipeline r) on TP groups, up to the order of a class's interchangeable nodes and of
