@@ -8,6 +8,8 @@ import math
 from dataclasses import replace
 from typing import cast
 
+import numpy as np
+
 from hetplan.cluster import Cluster
 from hetplan.cost.estimate import estimate
 from hetplan.cost.estimate_result import Estimate
@@ -20,8 +22,9 @@ from hetplan.search.constraints import PlanConstraints, homogeneous_space
 from hetplan.search.het_bounds import PlanBounds
 from hetplan.search.het_cache import SearchCache
 from hetplan.search.homogeneous import search_homogeneous
-from hetplan.search.homogeneous_candidates import divisors
+from hetplan.search.homogeneous_candidates import SearchSpace, divisors
 from hetplan.search.layout import uniform_plan
+from hetplan.search.provision_bounds import iteration_floor_s, type_floor
 
 Scored = tuple[Plan, Estimate]
 
@@ -38,7 +41,14 @@ def best_single_type(
 ) -> tuple[Scored | None, list[str]]:
     """Returns the fastest homogeneous plan on the nodes of any one class (within the
     constraints), and notes; ``cache`` keeps each class's answer for other searches, and
-    the homogeneous search's memo per node hardware (it holds across node counts)."""
+    the homogeneous search's memo per node hardware (it holds across node counts).
+
+    Classes are searched most peak FLOP/s first, each after the first with the best time
+    so far as its cutoff: a class whose provisioning floor (``provision_bounds.
+    iteration_floor_s``, proven for every plan of its GPUs) is above it is not searched,
+    and otherwise its search stops where its own proven bound passes it
+    (``search_homogeneous``). The answer is the same: a class's best that beats the
+    cutoff is found whole."""
     space = homogeneous_space(constraints or PlanConstraints())
     notes: list[str] = []
     best: Scored | None = None
@@ -46,36 +56,84 @@ def best_single_type(
     for n in cluster.nodes:
         sig = (n.gpu.name, n.gpus, n.intra_node_bytes_per_s, n.network_bytes_per_s)
         groups.setdefault(sig, []).append(n.name)
+    subs = []
     for sig, names in groups.items():
         sub = cluster.without_nodes({n.name for n in cluster.nodes} - set(names))
         if not sub.nodes[0].gpu.supports(precision):
             notes.append(f"{sig[0]} has no {precision} support; left out")
             continue
-        key = (sub.nodes, global_batch, precision, space, flash_attention)
-        if cache is not None and key in cache.homogeneous:
-            answer = cache.homogeneous[key]
-        else:
-            memo = None
-            if cache is not None:
-                memo = cache.homogeneous_memo(sub.nodes[0], global_batch, precision, space,
-                                              flash_attention)  # fmt: skip
-            try:
-                res = search_homogeneous(
-                    model, sub, global_batch, precision, 1, params, space=space,
-                    flash_attention=flash_attention, memo=memo, exact_counts=False,
-                )  # fmt: skip
-                answer = res.ranked[0] if res.ranked else None
-            except InputError as exc:
-                answer = exc
-            if cache is not None:
-                cache.homogeneous[key] = answer
-        if isinstance(answer, InputError):
-            notes.append(f"single-type baseline on {sig[0]}: {answer.reason}")
-            continue
-        top = cast(Scored | None, answer)
+        subs.append((sig, sub))
+    order = sorted(range(len(subs)), key=lambda i: -subs[i][1].nodes[0].gpu.peak_flops(precision)
+                   * subs[i][1].num_gpus)  # fmt: skip
+    answers: dict[int, object] = {}
+    for i in order:
+        sig, sub = subs[i]
+        cutoff = math.inf if best is None else best[1].iteration_time_s
+        answers[i] = answer = _single(model, sub, global_batch, precision, params, space,
+                                      flash_attention, cache, cutoff)  # fmt: skip
+        top = cast(Scored | None, None if isinstance(answer, InputError) else answer)
         if top and (best is None or top[1].iteration_time_s < best[1].iteration_time_s):
             best = top
+    for i, (sig, _) in enumerate(subs):  # in the cluster's order
+        answer = answers[i]
+        if isinstance(answer, InputError):
+            notes.append(f"single-type baseline on {sig[0]}: {answer.reason}")
     return best, notes
+
+
+def _single(
+    model: ModelSpec,
+    sub: Cluster,
+    global_batch: int,
+    precision: str,
+    params: CostParams,
+    space: SearchSpace,
+    flash_attention: bool,
+    cache: SearchCache | None,
+    cutoff: float,
+) -> object:
+    """Returns the homogeneous search's top plan on ``sub`` (or None), or the InputError it
+    raised; None also where no plan is at most ``cutoff``. ``cache`` keeps the top plan,
+    and the largest cutoff under which none was found."""
+    key = (sub.nodes, global_batch, precision, space, flash_attention)
+    if cache is not None:
+        if key in cache.homogeneous:
+            return cache.homogeneous[key]
+        if cache.homogeneous_none_under.get(key, -math.inf) >= cutoff:
+            return None
+    if cutoff < math.inf:  # provisioning's proven floor of every plan on these nodes
+        node = sub.nodes[0]
+        floor = type_floor(model, node.gpu, node.gpus, global_batch, params, precision,
+                           flash_attention)  # fmt: skip
+        if (
+            float(iteration_floor_s(model, global_batch, [floor], [np.array(sub.num_gpus)]))
+            > cutoff
+        ):
+            if cache is not None:
+                cache.homogeneous_none_under[key] = max(
+                    cutoff, cache.homogeneous_none_under.get(key, -math.inf)
+                )
+            return None
+    memo = None
+    if cache is not None:
+        memo = cache.homogeneous_memo(sub.nodes[0], global_batch, precision, space,
+                                      flash_attention)  # fmt: skip
+    try:
+        res = search_homogeneous(
+            model, sub, global_batch, precision, 1, params, space=space,
+            flash_attention=flash_attention, memo=memo, exact_counts=False, cutoff=cutoff,
+        )  # fmt: skip
+        answer: object = res.ranked[0] if res.ranked else None
+    except InputError as exc:
+        answer = exc
+    if cache is not None:
+        if answer is None and cutoff < math.inf:  # none under the cutoff: maybe above
+            cache.homogeneous_none_under[key] = max(
+                cutoff, cache.homogeneous_none_under.get(key, -math.inf)
+            )
+        else:
+            cache.homogeneous[key] = answer
+    return answer
 
 
 def best_uniform(

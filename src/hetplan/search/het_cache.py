@@ -51,6 +51,9 @@ class SearchCache:
     (``PlanBounds``, ``het_bounds.last_backward_spans``)."""
     homogeneous: dict[tuple[object, ...], object] = field(default_factory=dict)
     """Single-type baselines: the top plan (or None), or the InputError raised."""
+    homogeneous_none_under: dict[tuple[object, ...], float] = field(default_factory=dict)
+    """Single-type baselines searched under a cutoff that found none: the largest such
+    cutoff (no plan of those nodes is at most it)."""
     memos: dict[tuple[object, ...], SearchMemo] = field(default_factory=dict)
     """The homogeneous search's memo per node hardware and search settings."""
 
