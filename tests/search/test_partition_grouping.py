@@ -125,6 +125,10 @@ def test_device_classes_split_by_links_and_groups_stay_in_nodes():
     groups = classes[0].groups(2)
     assert len(groups) == 4
     assert all(len({d.rpartition(":")[0] for d in g}) == 1 for g in groups)
+    # the count the searches read without listing the groups: 2 nodes x 4 GPUs, 1 x 2
+    by_hand = {(0, 1): 8, (0, 2): 4, (0, 4): 2, (0, 8): 0, (1, 1): 2, (1, 2): 1, (1, 4): 0}
+    for (c, tp), n in by_hand.items():
+        assert classes[c].group_count(tp) == n == len(classes[c].groups(tp))
 
 
 def test_identical_pipelines_by_hand():

@@ -41,6 +41,11 @@ class DeviceClass:
         """Returns the GPUs of the class."""
         return self.gpus_per_node * len(self.nodes)
 
+    def group_count(self, tp: int) -> int:
+        """Returns how many tensor-parallel groups of ``tp`` GPUs the class holds (the length
+        of ``groups(tp)``: every node holds the same GPUs)."""
+        return len(self.nodes) * (self.gpus_per_node // tp)
+
     def groups(self, tp: int) -> list[tuple[str, ...]]:
         """Returns the tensor-parallel groups of ``tp`` GPUs inside each node, in node order."""
         out: list[tuple[str, ...]] = []

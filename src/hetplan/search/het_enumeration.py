@@ -84,7 +84,7 @@ def enumerate_all(state: SearchState, budget: int = ENUMERATION_BUDGET) -> bool:
         list(itertools.product(*(tp_options(state.model, c) for c in state.classes)))
     )
     for tps in tp_list:  # too many pipelines to list: give up before any work
-        avail = [len(c.groups(t)) for c, t in zip(state.classes, tps, strict=True)]
+        avail = [c.group_count(t) for c, t in zip(state.classes, tps, strict=True)]
         if count_pipelines(avail, state.model.layers) > ENUMERATION_SPLITS:
             return False
     combos = state.combos(tp_list, state.micro_batches, RECOMPUTE,

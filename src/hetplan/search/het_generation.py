@@ -163,7 +163,7 @@ class SearchState(CandidatePool):
         """Returns a lower bound of any plan under these knobs (``band_bound_s`` over every
         number of pipelines)."""
         total = self.global_batch // knobs.micro_batch
-        groups = sum(len(c.groups(t)) for c, t in zip(self.classes, tps, strict=True))
+        groups = sum(c.group_count(t) for c, t in zip(self.classes, tps, strict=True))
         return self.band_bound_s(tps, knobs, 1, max(1, min(groups, total)))
 
     def _work(self, tps: tuple[int, ...], knobs: Knobs) -> tuple[Rates, float]:
@@ -374,7 +374,7 @@ class SearchState(CandidatePool):
         self, tps: tuple[int, ...], knobs0: Knobs, zeros: tuple[tuple[int, ...], ...]
     ) -> None:
         total_micro = self.global_batch // knobs0.micro_batch
-        groups = sum(len(c.groups(t)) for c, t in zip(self.classes, tps, strict=True))
+        groups = sum(c.group_count(t) for c, t in zip(self.classes, tps, strict=True))
         bands = [
             (lo, hi)
             for lo, hi in dp_bands(min(groups, total_micro))

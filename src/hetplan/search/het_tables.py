@@ -328,7 +328,7 @@ def class_table(
         p2p_exposed=params.gpu(cls.gpu.name).p2p_exposed,
         send_intra_s=0.0,
         send_inter_s=0.0,
-        groups=len(cls.groups(tp)),
+        groups=cls.group_count(tp),
         model=model,
         knobs=knobs,
         reserve_bytes=params.memory_reserve_bytes,
