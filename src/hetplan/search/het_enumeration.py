@@ -535,6 +535,7 @@ class Enumeration:
         v, gpipe = k.virtual_stages, k.schedule == "GPipe"
         interleaved = k.schedule == "Interleaved1F1B" and v > 1
         least_opt: dict[tuple[int, int, bool, bool, bool], float] = {}
+        held_at: dict[tuple[int, int], list[int]] = {}
         for i, pipe in enumerate(self.pipes):
             step = self.step(pipe)
             p = len(pipe.classes)
@@ -564,7 +565,9 @@ class Enumeration:
                 # keep once they reach it (a count grouped otherwise holds more than the
                 # multiple of p below it: past a multiple that does not fit none does)
                 elif not saturated:
-                    now = held_units(gpipe, interleaved, v, warm, m)
+                    now = held_at.get((p, m))  # every pipeline of p stages holds the same
+                    if now is None:
+                        now = held_at[(p, m)] = held_units(gpipe, interleaved, v, warm, m)
                     if now != held:
                         if not self.fits_held(pipe, now, pipe.state_floor):
                             break  # memory only grows with more micro-batches in flight
@@ -660,18 +663,20 @@ class Enumeration:
         s = self.s
         d = len(chosen)
         sel = tuple(chosen)
-        any_tp = any(self.tables[c].tp > 1 for i, _ in sel for c in self.pipes[i].classes)
-        pipelined = any(len(self.pipes[i].layers) > 1 for i, _ in sel)
-        uneven = len({m for _, m in sel}) > 1
+        # what is read of each pipeline depends on (pipeline, micro-batches) alone: copies once
+        kinds = tuple(dict.fromkeys(sel))
+        any_tp = any(self.tables[c].tp > 1 for i, _ in kinds for c in self.pipes[i].classes)
+        pipelined = any(len(self.pipes[i].layers) > 1 for i, _ in kinds)
+        uneven = len({m for _, m in kinds}) > 1
         zeros = s.zeros_allowed(zero_choices(d))
         for z in zeros:
             if dominated_by_zero1(z, d, pipelined, uneven, zeros):
                 continue
             shards = d if z else 1
-            bound = max(self.pipe_bound_s(i, m, shards) for i, m in sel)
+            bound = max(self.pipe_bound_s(i, m, shards) for i, m in kinds)
             if bound >= s.cutoff_s:
                 continue
-            if all(self._fits_at(i, m, z, d) for i, m in sel):
+            if all(self._fits_at(i, m, z, d) for i, m in kinds):
                 sp = s.sequence_parallel_for(any_tp)
                 # its reductions are charged when it comes first in line (``spread_bound_s``)
                 tight = self._kind(sel, z) is None
