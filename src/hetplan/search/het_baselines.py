@@ -109,10 +109,7 @@ def _single(
             float(iteration_floor_s(model, global_batch, [floor], [np.array(sub.num_gpus)]))
             > cutoff
         ):
-            if cache is not None:
-                cache.homogeneous_none_under[key] = max(
-                    cutoff, cache.homogeneous_none_under.get(key, -math.inf)
-                )
+            _found_none(cache, key, cutoff)
             return None
     memo = None
     if cache is not None:
@@ -126,14 +123,18 @@ def _single(
         answer: object = res.ranked[0] if res.ranked else None
     except InputError as exc:
         answer = exc
-    if cache is not None:
-        if answer is None and cutoff < math.inf:  # none under the cutoff: maybe above
-            cache.homogeneous_none_under[key] = max(
-                cutoff, cache.homogeneous_none_under.get(key, -math.inf)
-            )
-        else:
-            cache.homogeneous[key] = answer
+    if answer is None and cutoff < math.inf:  # none under the cutoff: maybe above
+        _found_none(cache, key, cutoff)
+    elif cache is not None:
+        cache.homogeneous[key] = answer
     return answer
+
+
+def _found_none(cache: SearchCache | None, key: tuple[object, ...], cutoff: float) -> None:
+    """Records in ``cache`` that no plan of ``key``'s nodes is at most ``cutoff``."""
+    if cache is not None:
+        known = cache.homogeneous_none_under.get(key, -math.inf)
+        cache.homogeneous_none_under[key] = max(cutoff, known)
 
 
 def best_uniform(
