@@ -1,18 +1,23 @@
 """The single-type baseline of a mixed cluster (``het_baselines.best_single_type``) searches
 its classes fastest first and cuts the others at the best time so far, skipping a class
 whose provisioning floor is above it. It must return what searching every class alone,
-with no cutoff, returns: the fastest of their best plans."""
+with no cutoff, returns: the fastest of their best plans. The uniform baseline
+(``best_uniform``) bounds its candidates lazily; it must return the best estimate of all
+of them, enumerated here."""
 
+import itertools
 import math
 
 import pytest
 
 from hetplan.cluster import parse_inline_cluster
+from hetplan.cost.estimate import estimate
 from hetplan.cost.params import default_params
 from hetplan.model import load_model
 from hetplan.search import het_baselines
 from hetplan.search.het_cache import SearchCache
 from hetplan.search.homogeneous import search_homogeneous
+from hetplan.search.layout import uniform_plan
 
 CASES = [
     ("gpt2", "A100-80GB:1x4,V100-32GB:1x4,T4:2x2", 32, "fp16"),
@@ -84,3 +89,51 @@ def test_a_slow_class_is_skipped_by_its_floor(monkeypatch):
     alone = search_homogeneous(model, a100, 1024, "fp16", 1, exact_counts=False)
     assert best is not None
     assert best[1].iteration_time_s == alone.ranked[0][1].iteration_time_s
+
+
+def _every_uniform_estimate(model, cluster, batch, precision, ceiling=math.inf):
+    """Every Megatron-style plan of the baseline's space, estimated: TP within the smallest
+    node and dividing heads and the FFN, PP up to the layers, equal batch shares,
+    micro-batches up to 8, no or full recomputation, ZeRO 0 or 1 (0 alone for one
+    replica); the best time among those that fit."""
+    gpus = cluster.num_gpus
+    per_node = min(n.gpus for n in cluster.nodes)
+    best = math.inf
+    for tp, pp in itertools.product(range(1, per_node + 1), range(1, model.layers + 1)):
+        if per_node % tp or model.heads % tp or model.ffn % tp or gpus % (tp * pp):
+            continue
+        dp = gpus // (tp * pp)
+        if batch % dp:
+            continue
+        for mb, rc, zero in itertools.product(range(1, 9), ("none", "full"), (0, 1)):
+            if (batch // dp) % mb or (zero and dp == 1):
+                continue
+            plan = uniform_plan(cluster, model.layers, tp, pp, dp, mb, batch,
+                                precision=precision, recompute=rc, zero_stage=zero,
+                                sequence_parallel=tp > 1)  # fmt: skip
+            est = estimate(plan, model, cluster, default_params(), validate=False)
+            if est.fits and est.iteration_time_s < ceiling:
+                best = min(best, est.iteration_time_s)
+    return best
+
+
+@pytest.mark.parametrize(
+    ("name", "spec", "batch", "precision"),
+    [*CASES[:3], ("gpt3-1.3b", "V100-16GB:1x8,T4:2x4", 64, "fp16")],
+)
+def test_the_uniform_baseline_is_the_best_uniform_plan(name, spec, batch, precision):
+    model, cluster = load_model(name), parse_inline_cluster(spec)
+    want = _every_uniform_estimate(model, cluster, batch, precision)
+    got = het_baselines.best_uniform(model, cluster, batch, precision, default_params(), True)
+    assert got is not None and got[1].fits
+    assert got[1].iteration_time_s == pytest.approx(want, rel=1e-12)
+    # a ceiling leaves out only plans whose bound reaches it: above the best, the same
+    # plan; just below it, that plan or none (its bound may be below the ceiling); below
+    # any time a stage could take, none
+    for ceiling, maybe_none in ((want * 1.01, False), (want * 0.999, True), (1e-6, True)):
+        under = het_baselines.best_uniform(model, cluster, batch, precision, default_params(),
+                                           True, ceiling_s=ceiling)  # fmt: skip
+        if under is None:
+            assert maybe_none
+        else:
+            assert ceiling > 1e-6 and under[1].iteration_time_s == got[1].iteration_time_s

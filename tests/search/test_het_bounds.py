@@ -115,6 +115,9 @@ def test_plan_bounds_never_exceed_estimate(seed):
         assert bounds.bound_s(plan) <= est.iteration_time_s
         assert bounds.bound_s(plan, exact=False) <= est.iteration_time_s
         assert bounds.fits(plan)[0] == est.fits
+        # the floor the uniform baseline queues candidates by, under both forms
+        floor = bounds.compute_floor_s(plan)
+        assert 0 < floor <= min(bounds.bound_s(plan), bounds.bound_s(plan, exact=False))
 
 
 @pytest.mark.parametrize("seed", range(6))

@@ -4,6 +4,7 @@ GPU (every candidate that fits, in order of a proven bound, no finalist cap)."""
 
 from __future__ import annotations
 
+import heapq
 import math
 from dataclasses import replace
 from typing import cast
@@ -153,7 +154,11 @@ def best_uniform(
     (the heterogeneous search's ceiling), None where none is.
 
     Candidates that fit (the memory ``estimate`` sums) are estimated in order of a proven
-    lower bound of their time (``PlanBounds``) until the bound passes the best estimate."""
+    lower bound of their time (``PlanBounds.bound_s``) until the bound passes the best
+    estimate. That bound and the memory check are taken lazily: candidates wait in order
+    of a cheaper floor of the bound (``PlanBounds.compute_floor_s``), and one is bounded
+    and checked when its floor comes first, so the candidates estimated, and their order,
+    are those of bounding them all."""
     if not all(n.gpu.supports(precision) for n in cluster.nodes):
         return None
     n_gpus = cluster.num_gpus
@@ -161,7 +166,8 @@ def best_uniform(
     bounds = PlanBounds(model, cluster, params)
     c = constraints or PlanConstraints()
     recomputes = c.recompute or ("none", "full")
-    cands: list[tuple[float, int, Plan]] = []
+    # (floor or bound, index, bounded, plan): the index breaks ties in enumeration order
+    queue: list[tuple[float, int, bool, Plan]] = []
     for tp in divisors(gpn):
         if model.heads % tp or model.ffn % tp or (model.kv_heads % tp and tp % model.kv_heads):
             continue
@@ -190,17 +196,21 @@ def best_uniform(
                         )  # fmt: skip
                         if not c.allows(plan):
                             continue
+                        floor = bounds.compute_floor_s(plan)
                         # the caller has plans this fast: the slower ones are not sought
-                        # (the bound is memoised: taken again below at no cost)
-                        if ceiling_s < math.inf and bounds.bound_s(plan, False) >= ceiling_s:
-                            continue
-                        if bounds.fits(plan)[0]:
-                            cands.append((bounds.bound_s(plan, False), len(cands), plan))
-    cands.sort(key=lambda c: (c[0], c[1]))
+                        if ceiling_s == math.inf or floor < ceiling_s:
+                            queue.append((floor, len(queue), False, plan))
+    heapq.heapify(queue)
     best: Scored | None = None
-    for bound, _, plan in cands:
-        if best is not None and bound >= best[1].iteration_time_s:
+    while queue:
+        key, i, bounded, plan = heapq.heappop(queue)
+        if best is not None and key >= best[1].iteration_time_s:
             break
+        if not bounded:
+            bound = bounds.bound_s(plan, False)
+            if (ceiling_s == math.inf or bound < ceiling_s) and bounds.fits(plan)[0]:
+                heapq.heappush(queue, (bound, i, True, plan))
+            continue
         est = estimate(plan, model, cluster, params, validate=False)
         if est.fits and (best is None or est.iteration_time_s < best[1].iteration_time_s):
             best = (plan, est)

@@ -288,6 +288,7 @@ class PlanBounds:
         self._placed: dict[Hashed, dict[tuple[int, int], float]] = {}
         self._fit_layouts: dict[Hashed, list[_FitGroup]] = {}
         self._hashes: dict[int, Hashed] = {}
+        self._site_memo: dict[Hashed, list[tuple[Node, int, int, bool, bool, int]]] = {}
 
     def node(self, device: str) -> Node:
         """Returns the node of a device (memoized)."""
@@ -363,9 +364,7 @@ class PlanBounds:
         ending with its optimizer step and the part of its once-a-step gradient reduction
         no overlap hides (``_tail``); ZeRO-2/3's per-micro-batch collectives only
         add (left out). ``exact=False``: the closed-form bound alone (cheaper)."""
-        v = plan.virtual_stages
-        tk = (plan.micro_batch_size, plan.precision, plan.recompute, v, plan.flash_attention,
-              plan.overlap_tp_comm, plan.sequence_parallel)  # fmt: skip
+        tk = self._time_key(plan)
         shards = plan.dp if plan.zero_stage >= 1 else 1
         kind = reduction_kind(plan)
         hashed = self._hashed(plan.pipelines)
@@ -474,6 +473,69 @@ class PlanBounds:
             self._layouts[key] = hit
         return hit
 
+    @staticmethod
+    def _time_key(plan: Plan) -> tuple[object, ...]:
+        """Returns the plan's knobs that ``stage_times`` and ``part_split`` read."""
+        return (plan.micro_batch_size, plan.precision, plan.recompute, plan.virtual_stages,
+                plan.flash_attention, plan.overlap_tp_comm, plan.sequence_parallel)  # fmt: skip
+
+    def _stage_fb(
+        self,
+        plan: Plan,
+        tk: tuple[object, ...],
+        node: Node,
+        tp: int,
+        layers: int,
+        first: bool,
+        last: bool,
+    ) -> tuple[float, ...]:
+        """Returns a stage's forward, backward side (recomputation and TP collectives) and
+        ``part_split`` per micro-batch (``stage_times``; memoised by node, TP degree,
+        layers, position and the knobs ``tk`` = ``_time_key``)."""
+        skey = (id(node), tp, layers, first, last, *tk)
+        fb = self._stage.get(skey)
+        if fb is None:
+            model, params = self.model, self.params
+            key = StageKey(node.gpu, node.intra_node_bytes_per_s, tp, layers, first, last,
+                           first and last)  # fmt: skip
+            f, b, rc, tpc, _, _ = stage_times(plan, model, key, node, params)
+            split = part_split(plan, model, node.gpu, tp, first, last, params)
+            fb = self._stage[skey] = (f, b + rc + tpc, *split)
+        return fb
+
+    def compute_floor_s(self, plan: Plan) -> float:
+        """Returns a lower bound of ``bound_s(plan)`` (either form) at a fraction of its
+        cost: the most any stage spends on its own micro-batches, each taking at least its
+        forward and backward side (``stage_times``). A stage runs every micro-batch of its
+        pipeline one after another; transfer waits, the fill, gradient reductions and the
+        optimizer step only add to the end ``bound_s`` bounds."""
+        tk = self._time_key(plan)
+        out = 0.0
+        for node, tp, layers, first, last, batch in self._sites(plan.pipelines):
+            f, b = self._stage_fb(plan, tk, node, tp, layers, first, last)[:2]
+            out = max(out, (batch // plan.micro_batch_size) * (f + b))
+        return out * (1.0 - 1e-6)
+
+    def _sites(
+        self, pipelines: tuple[Pipeline, ...]
+    ) -> list[tuple[Node, int, int, bool, bool, int]]:
+        """Returns the distinct (node, TP degree, layers, first, last, batch share) of the
+        stages of ``pipelines`` (memoised by them: knob twins share it)."""
+        key = self._hashed(pipelines)
+        hit = self._site_memo.get(key)
+        if hit is None:
+            sites: dict[tuple[object, ...], tuple[Node, int, int, bool, bool, int]] = {}
+            for pipe in pipelines:
+                p = len(pipe.stages)
+                for j, s in enumerate(pipe.stages):
+                    node = self.node(s.devices[0])
+                    site = (node, s.tp, s.layers, j == 0, j == p - 1, pipe.batch_size)
+                    sites.setdefault((id(node), *site[1:]), site)
+            if len(self._site_memo) >= LAYOUT_MEMO:
+                self._site_memo.clear()
+            hit = self._site_memo[key] = list(sites.values())
+        return hit
+
     def _pipeline_rows(
         self, plan: Plan, tk: tuple[object, ...], shards: int, exact: bool
     ) -> list[_Row]:
@@ -495,14 +557,7 @@ class PlanBounds:
             for j, stage in enumerate(pipe.stages):
                 node = nodes[j]
                 first, last = j == 0, j == p - 1
-                skey = (id(node), stage.tp, stage.layers, first, last, *tk)
-                fb = self._stage.get(skey)
-                if fb is None:
-                    key = StageKey(node.gpu, node.intra_node_bytes_per_s, stage.tp,
-                                   stage.layers, first, last, p == 1)  # fmt: skip
-                    f, b, rc, tpc, _, _ = stage_times(plan, model, key, node, params)
-                    split = part_split(plan, model, node.gpu, stage.tp, first, last, params)
-                    fb = self._stage[skey] = (f, b + rc + tpc, *split)
+                fb = self._stage_fb(plan, tk, node, stage.tp, stage.layers, first, last)
                 fwd.append(fb[0])
                 bwd.append(fb[1])
                 parts.append(fb[2:])
