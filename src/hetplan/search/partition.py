@@ -9,6 +9,7 @@ objective; ``estimate`` replays the real schedule on the plans built from them.
 from __future__ import annotations
 
 import heapq
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -161,14 +162,21 @@ def uniform_frontiers(
 def _frontiers(
     tau: FloatArray, fixed: FloatArray, cap: IntArray, layers: int
 ) -> list[list[Partition]]:
-    n, p = tau.shape
+    n = tau.shape[0]
+    # stages fastest first (each row its own order): filling them in that order is a
+    # running sum; every figure below is per stage or a max, the same in either order,
+    # and the fill is summed back in the stages' own order
+    order = np.argsort(tau, axis=1, kind="stable")
+    back = np.argsort(order, axis=1, kind="stable")
+    tau = np.take_along_axis(tau, order, axis=1)
+    fixed = np.take_along_axis(fixed, order, axis=1)
+    cap = np.take_along_axis(cap, order, axis=1)
     ls = np.arange(1, int(cap.max()) + 1)
     grid = fixed[:, :, None] + ls[None, None, :] * tau[:, :, None]  # (n, p, L)
     grid = np.where(ls[None, None, :] <= cap[:, :, None], grid, np.inf).reshape(n, -1)
-    order = np.argsort(tau, axis=1, kind="stable")
     # below, some stage cannot take a layer; above the least-fill split's bottleneck,
     # every threshold gives that split again
-    top = np.max(fixed + _fastest_first(cap, order, layers) * tau, axis=1)
+    top = np.max(fixed + _fill_in_order(cap, layers) * tau, axis=1)
     least = np.max(fixed + tau, axis=1)
     thr = np.sort(grid, axis=1)
     dup = np.zeros(thr.shape, dtype=bool)
@@ -182,37 +190,35 @@ def _frontiers(
     under = np.floor(np.where(keep[:, :, None], arg, 0.0)).astype(np.int64)
     caps = np.minimum(under, cap[:, None, :])  # (n, T, p)
     keep &= (caps.min(axis=2) >= 1) & (caps.sum(axis=2) >= layers)
-    t = caps.shape[1]
-    counts = _fastest_first(caps.reshape(n * t, p), np.repeat(order, t, axis=0), layers).reshape(
-        n, t, p
-    )
+    counts = _fill_in_order(caps, layers)
     stage = fixed[:, None, :] + counts * tau[:, None, :]
     bott = np.where(keep, stage.max(axis=2), np.inf)
+    stage = np.take_along_axis(stage, back[:, None, :], axis=2)  # the stages' own order
     fill = np.where(keep, stage.sum(axis=2), np.inf)
     idx = np.lexsort((fill, bott), axis=-1)
     f = np.take_along_axis(fill, idx, axis=1)
     prev = np.full(f.shape, np.inf)
     prev[:, 1:] = np.minimum.accumulate(f, axis=1)[:, :-1]
     good = f < prev * (1 - 1e-12)  # strictly less fill than every smaller bottleneck
-    out = []
-    for r in range(n):
-        sel = idx[r][good[r]]
-        out.append([
-            Partition(tuple(c), tuple(x))
-            for c, x in zip(counts[r, sel].tolist(), stage[r, sel].tolist(), strict=True)
-        ])  # fmt: skip
-    return out
+    # the kept points of every row at once, row by row in that order
+    rows, at = np.nonzero(good)
+    picked = idx[rows, at]
+    layer_rows = np.take_along_axis(counts[rows, picked], back[rows], axis=1).tolist()
+    time_rows = stage[rows, picked].tolist()
+    ends = np.concatenate([[0], np.cumsum(np.bincount(rows, minlength=n))]).tolist()
+    return [
+        [Partition(tuple(c), tuple(x))
+         for c, x in zip(layer_rows[a:b], time_rows[a:b], strict=True)]
+        for a, b in itertools.pairwise(ends)
+    ]  # fmt: skip
 
 
-def _fastest_first(caps: IntArray, order: IntArray, layers: int) -> IntArray:
-    """Returns per row the layer counts that fill stages in ``order`` (one per row) up to
-    ``caps``."""
-    extra = np.take_along_axis(caps, order, axis=1) - 1
-    before = np.cumsum(extra, axis=1) - extra
-    assigned = np.clip(layers - caps.shape[1] - before, 0, extra)
-    counts = np.empty_like(assigned)
-    np.put_along_axis(counts, order, assigned + 1, axis=1)
-    return counts
+def _fill_in_order(caps: IntArray, layers: int) -> IntArray:
+    """Returns the layer counts that fill stages in their order along the last axis (one
+    layer each first) up to ``caps``."""
+    extra = caps - 1
+    before = np.cumsum(extra, axis=-1) - extra
+    return np.clip(layers - caps.shape[-1] - before, 0, extra) + 1
 
 
 def best_on_frontier(frontier: list[Partition], micro_batches: int) -> Partition:
