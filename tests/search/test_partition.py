@@ -101,6 +101,28 @@ def test_split_batch_matches_brute_force(seed):
     assert split_time_s(fill, bott, got) == pytest.approx(want)
 
 
+@pytest.mark.parametrize("seed", range(20))
+def test_split_batch_is_optimal_on_large_batches(seed):
+    """Many micro-batches per pipeline (where ``split_batch`` hands most units out at once
+    below a level): its slowest pipeline equals the least time T under which the
+    pipelines hold every micro-batch, found over every pipeline's possible times (each
+    holds ``floor((T - fill) / bottleneck) + 1`` micro-batches within T). Fills and
+    bottlenecks from a few values, so times tie."""
+    rng = np.random.default_rng(100 + seed)
+    d = int(rng.integers(2, 13))
+    total = int(rng.integers(4 * d, 600))
+    fill = [float(x) for x in rng.choice([0.5, 1.0, 1.5, 2.0, 3.25], d)]
+    bott = [float(x) for x in rng.choice([0.125, 0.25, 0.5, 0.75], d)]
+    got = split_batch(fill, bott, total)
+    assert got is not None and sum(got) == total and min(got) >= 1
+    times = sorted({f + k * b for f, b in zip(fill, bott, strict=True) for k in range(total)})
+    want = next(
+        t for t in times
+        if sum(int((t - f) / b) + 1 for f, b in zip(fill, bott, strict=True) if f <= t) >= total
+    )  # fmt: skip
+    assert split_time_s(fill, bott, got) == want
+
+
 def test_split_batch_needs_one_unit_per_pipeline():
     assert split_batch([1.0, 1.0, 1.0], [1.0, 1.0, 1.0], 2) is None
 

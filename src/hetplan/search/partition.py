@@ -246,6 +246,8 @@ def split_batch(
         return None
     counts = list(step)
     left = total - sum(step)
+    if steps is None and left > n:
+        left -= _take_below(fill_s, bottleneck_s, counts, left)
     heap = [(fill_s[i] + (counts[i] + step[i] - 1) * bottleneck_s[i], i) for i in range(n)]
     heapq.heapify(heap)
     while left and heap:
@@ -256,6 +258,44 @@ def split_batch(
         left -= step[i]
         heapq.heappush(heap, (fill_s[i] + (counts[i] + step[i] - 1) * bottleneck_s[i], i))
     return None if left else counts
+
+
+def _take_below(
+    fill_s: list[float], bottleneck_s: list[float], counts: list[int], left: int
+) -> int:
+    """Gives every pipeline (one micro-batch each so far, in ``counts``) the units the greedy
+    of ``split_batch`` would give it below a level T, all at once; returns how many. The
+    greedy takes units in order of the time after them, ``fill + c * bottleneck`` after c
+    (each pipeline's rising with c): those below T come before all others, so taking them
+    first changes nothing. T spreads ``left`` units over the pipelines in real numbers
+    (each below T takes at most ``(T - fill) / bottleneck`` of them), so at most ``left``
+    fall below it; the greedy hands out the few left over."""
+    if min(bottleneck_s) <= 0:
+        return 0
+    active = list(range(len(fill_s)))
+    while True:  # the level where the pipelines it passes take ``left`` units in reals
+        level = (left + sum(fill_s[i] / bottleneck_s[i] for i in active)) / sum(
+            1.0 / bottleneck_s[i] for i in active
+        )
+        keep = [i for i in active if fill_s[i] < level]
+        if len(keep) == len(active):
+            break
+        active = keep
+    given = [0] * len(fill_s)
+    for i in active:
+        f, b = fill_s[i], bottleneck_s[i]
+        c = max(1, int((level - f) / b))  # the greedy's own times decide, up or down
+        while c > 1 and f + c * b >= level:
+            c -= 1
+        while f + (c + 1) * b < level:
+            c += 1
+        given[i] = c - 1 if f + c * b >= level else c
+    took = sum(given)
+    if took > left:  # rounding: leave it all to the greedy
+        return 0
+    for i, g in enumerate(given):
+        counts[i] += g
+    return took
 
 
 def split_time_s(fill_s: list[float], bottleneck_s: list[float], counts: list[int]) -> float:
