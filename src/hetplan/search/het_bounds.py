@@ -490,9 +490,10 @@ class PlanBounds:
         last: bool,
     ) -> tuple[float, ...]:
         """Returns a stage's forward, backward side (recomputation and TP collectives) and
-        ``part_split`` per micro-batch (``stage_times``; memoised by node, TP degree,
+        ``part_split`` per micro-batch (``stage_times``; memoised by what they read of the
+        node, its GPU and link inside it, as ``estimate`` memoises them, and by TP degree,
         layers, position and the knobs ``tk`` = ``_time_key``)."""
-        skey = (id(node), tp, layers, first, last, *tk)
+        skey = (id(node.gpu), node.intra_node_bytes_per_s, tp, layers, first, last, *tk)
         fb = self._stage.get(skey)
         if fb is None:
             model, params = self.model, self.params
