@@ -49,7 +49,7 @@ def bound_fill_s(stage_s: tuple[float, ...], v: int = 1) -> float:
     forward chunk and before their last backward chunk (later stages may overlap it);
     ``v`` chunks per stage."""
     top = max(stage_s)
-    last = max(j for j, t in enumerate(stage_s) if t == top)
+    last = len(stage_s) - 1 - stage_s[::-1].index(top)  # the last slowest
     return float(sum(stage_s[:last])) / v + top
 
 
