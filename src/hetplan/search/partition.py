@@ -168,9 +168,8 @@ def _frontiers(
     # and the fill is summed back in the stages' own order
     order = np.argsort(tau, axis=1, kind="stable")
     back = np.argsort(order, axis=1, kind="stable")
-    tau = np.take_along_axis(tau, order, axis=1)
-    fixed = np.take_along_axis(fixed, order, axis=1)
-    cap = np.take_along_axis(cap, order, axis=1)
+    r = np.arange(n)[:, None]
+    tau, fixed, cap = tau[r, order], fixed[r, order], cap[r, order]
     ls = np.arange(1, int(cap.max()) + 1)
     grid = fixed[:, :, None] + ls[None, None, :] * tau[:, :, None]  # (n, p, L)
     grid = np.where(ls[None, None, :] <= cap[:, :, None], grid, np.inf).reshape(n, -1)
@@ -182,8 +181,51 @@ def _frontiers(
     dup = np.zeros(thr.shape, dtype=bool)
     dup[:, 1:] = thr[:, 1:] == thr[:, :-1]
     keep = ~dup & (thr >= least[:, None]) & (thr <= top[:, None])
-    # the kept thresholds of each row first, in order; columns no row keeps dropped
-    thr = np.sort(np.where(keep, thr, np.inf), axis=1)[:, : int(keep.sum(axis=1).max())]
+    kept = keep.sum(axis=1)
+    # the kept thresholds of each row first, in order
+    thr = np.sort(np.where(keep, thr, np.inf), axis=1)
+    out: list[list[Partition]] = [[] for _ in range(n)]
+    for rows in _buckets(kept):
+        width = int(kept[rows].max())
+        if width == 0:
+            continue
+        points = _points(thr[rows, :width], tau[rows], fixed[rows], cap[rows], back[rows],
+                         top[rows], layers)  # fmt: skip
+        for r, front in zip(rows.tolist(), points, strict=True):
+            out[r] = front
+    return out
+
+
+def _buckets(kept: IntArray) -> list[IntArray]:
+    """Returns the rows in one or two groups by their number of thresholds: rows are padded
+    to the most of their group, so rows of few thresholds go apart where that spares at
+    least a quarter of the cells."""
+    n = kept.size
+    rows = np.arange(n)
+    if n < 8:
+        return [rows]
+    by = np.argsort(kept, kind="stable")
+    k = kept[by]
+    split = np.arange(1, n)
+    cells = split * k[:-1] + (n - split) * k[-1]
+    i = int(np.argmin(cells))
+    if cells[i] > 0.75 * n * k[-1]:
+        return [rows]
+    return [np.sort(by[: i + 1]), np.sort(by[i + 1 :])]
+
+
+def _points(
+    thr: FloatArray,
+    tau: FloatArray,
+    fixed: FloatArray,
+    cap: IntArray,
+    back: IntArray,
+    top: FloatArray,
+    layers: int,
+) -> list[list[Partition]]:
+    """Returns each row's frontier from its thresholds ``thr`` (ascending, padded with
+    infinity), its stages fastest first (``back``: to their own order)."""
+    n = thr.shape[0]
     keep = np.isfinite(thr)
     eps = 1e-12 * np.maximum(1.0, top)  # the largest threshold kept is ``top`` itself
     arg = (thr[:, :, None] - fixed[:, None, :] + eps[:, None, None]) / tau[:, None, :]
@@ -193,17 +235,18 @@ def _frontiers(
     counts = _fill_in_order(caps, layers)
     stage = fixed[:, None, :] + counts * tau[:, None, :]
     bott = np.where(keep, stage.max(axis=2), np.inf)
-    stage = np.take_along_axis(stage, back[:, None, :], axis=2)  # the stages' own order
-    fill = np.where(keep, stage.sum(axis=2), np.inf)
+    r = np.arange(n)[:, None]
+    stage = stage[r[:, :, None], np.arange(stage.shape[1])[None, :, None], back[:, None, :]]
+    fill = np.where(keep, stage.sum(axis=2), np.inf)  # (in the stages' own order)
     idx = np.lexsort((fill, bott), axis=-1)
-    f = np.take_along_axis(fill, idx, axis=1)
+    f = fill[r, idx]
     prev = np.full(f.shape, np.inf)
     prev[:, 1:] = np.minimum.accumulate(f, axis=1)[:, :-1]
     good = f < prev * (1 - 1e-12)  # strictly less fill than every smaller bottleneck
     # the kept points of every row at once, row by row in that order
     rows, at = np.nonzero(good)
     picked = idx[rows, at]
-    layer_rows = np.take_along_axis(counts[rows, picked], back[rows], axis=1).tolist()
+    layer_rows = counts[rows, picked][np.arange(rows.size)[:, None], back[rows]].tolist()
     time_rows = stage[rows, picked].tolist()
     ends = np.concatenate([[0], np.cumsum(np.bincount(rows, minlength=n))]).tolist()
     return [
