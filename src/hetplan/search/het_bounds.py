@@ -520,8 +520,9 @@ class PlanBounds:
     def _sites(
         self, pipelines: tuple[Pipeline, ...]
     ) -> list[tuple[Node, int, int, bool, bool, int]]:
-        """Returns the distinct (node, TP degree, layers, first, last, batch share) of the
-        stages of ``pipelines`` (memoised by them: knob twins share it)."""
+        """Returns the (node, TP degree, layers, first, last, batch share) of the stages of
+        ``pipelines``, one per distinct ``_stage_fb`` key and share (memoised by them: knob
+        twins share it)."""
         key = self._hashed(pipelines)
         hit = self._site_memo.get(key)
         if hit is None:
@@ -531,7 +532,7 @@ class PlanBounds:
                 for j, s in enumerate(pipe.stages):
                     node = self.node(s.devices[0])
                     site = (node, s.tp, s.layers, j == 0, j == p - 1, pipe.batch_size)
-                    sites.setdefault((id(node), *site[1:]), site)
+                    sites.setdefault((id(node.gpu), node.intra_node_bytes_per_s, *site[1:]), site)
             if len(self._site_memo) >= LAYOUT_MEMO:
                 self._site_memo.clear()
             hit = self._site_memo[key] = list(sites.values())

@@ -191,8 +191,8 @@ def _frontiers(
             continue
         points = _points(thr[rows, :width], tau[rows], fixed[rows], cap[rows], back[rows],
                          top[rows], layers)  # fmt: skip
-        for r, front in zip(rows.tolist(), points, strict=True):
-            out[r] = front
+        for row, front in zip(rows.tolist(), points, strict=True):
+            out[row] = front
     return out
 
 
