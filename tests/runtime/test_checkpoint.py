@@ -33,7 +33,9 @@ def _cfg(plan: Path, inputs: dict[str, Path], root: Path, **kw: Any) -> RunConfi
     )
 
 
-@pytest.fixture(scope="module")
+# session-wide and one worker's (xdist_group): the run is made once, not once per worker
+# or again after another module's test
+@pytest.fixture(scope="session")
 def first_run(
     tmp_path_factory: pytest.TempPathFactory, inputs: dict[str, Path], write_plan: Any
 ) -> tuple[Path, Path]:
@@ -45,6 +47,7 @@ def first_run(
 
 
 @pytest.mark.distributed
+@pytest.mark.xdist_group("first_run")
 def test_resume_under_another_plan_matches_uninterrupted(
     first_run: tuple[Path, Path], inputs: dict[str, Path], tmp_path: Path
 ) -> None:
@@ -63,6 +66,7 @@ def test_resume_under_another_plan_matches_uninterrupted(
 
 
 @pytest.mark.distributed
+@pytest.mark.xdist_group("first_run")
 def test_corrupt_checkpoint_refused_and_left_alone(
     first_run: tuple[Path, Path], inputs: dict[str, Path], tmp_path: Path
 ) -> None:
@@ -85,6 +89,7 @@ def test_corrupt_checkpoint_refused_and_left_alone(
 
 
 @pytest.mark.distributed
+@pytest.mark.xdist_group("first_run")
 def test_existing_checkpoint_never_overwritten(first_run: tuple[Path, Path]) -> None:
     root, _ = first_run
     assert not ckpt.begin(root, 2)
@@ -92,6 +97,7 @@ def test_existing_checkpoint_never_overwritten(first_run: tuple[Path, Path]) -> 
 
 
 @pytest.mark.distributed
+@pytest.mark.xdist_group("first_run")
 def test_half_written_checkpoint_is_invisible(
     first_run: tuple[Path, Path], inputs: dict[str, Path], tmp_path: Path
 ) -> None:
@@ -138,6 +144,7 @@ def test_mixed_tp_inside_one_pipeline_refused(
 
 
 @pytest.mark.distributed
+@pytest.mark.xdist_group("first_run")
 def test_resume_with_another_model_refused(
     first_run: tuple[Path, Path], inputs: dict[str, Path]
 ) -> None:

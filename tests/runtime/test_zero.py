@@ -211,7 +211,9 @@ def test_bf16_zero_memory_is_the_cost_models(
         assert peak["bf16"] < 0.85 * peak["fp32"]
 
 
-@pytest.fixture(scope="module")
+# session-wide: a module-scoped fixture is built again whenever xdist runs another module's
+# test on this worker between the group's tests (97 s each time)
+@pytest.fixture(scope="session")
 def bf16_runs(
     tmp_path_factory: pytest.TempPathFactory, inputs: dict[str, Path], write_plan: Any
 ) -> dict[str, Any]:
