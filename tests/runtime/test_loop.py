@@ -127,8 +127,9 @@ def test_option_and_plan_refusals_name_the_field(
 
 
 def _workers(parent: int) -> list[int]:
-    """Returns the pids of the worker processes under ``parent`` (the launcher)."""
-    out = []
+    """Returns the pids of the ranks under ``parent`` (the CLI): the processes that
+    ``forkrun``'s fork server forked (their parent's command line names the server)."""
+    procs: dict[int, tuple[int, bytes]] = {}
     for d in Path("/proc").iterdir():
         if d.name.isdigit():
             try:
@@ -136,11 +137,12 @@ def _workers(parent: int) -> list[int]:
                 cmdline = (d / "cmdline").read_bytes()
             except OSError:
                 continue
-            if b"hetplan.runtime.worker" in cmdline and b"torch.distributed.run" not in cmdline:
-                ppid = int(stat.rsplit(")", 1)[1].split()[1])
-                if ppid != parent:
-                    out.append(int(d.name))
-    return out
+            procs[int(d.name)] = (int(stat.rsplit(")", 1)[1].split()[1]), cmdline)
+    below = {parent}
+    for _ in range(3):  # the CLI, its launcher, the launcher's fork server
+        below |= {pid for pid, (ppid, _) in procs.items() if ppid in below}
+    server = [pid for pid in below if b"multiprocessing.forkserver" in procs.get(pid, (0, b""))[1]]
+    return [pid for pid, (ppid, _) in procs.items() if ppid in server]
 
 
 @pytest.mark.distributed

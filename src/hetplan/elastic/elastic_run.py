@@ -11,7 +11,6 @@ import os
 import shutil
 import signal
 import socket
-import sys
 import tempfile
 import time
 import uuid
@@ -37,7 +36,7 @@ from hetplan.elastic.transfer import (
 from hetplan.errors import InputError
 from hetplan.runtime.checkpoint import check_resume
 from hetplan.runtime.config import RunConfig
-from hetplan.runtime.launch import WORKER, _env, preflight, worker_args
+from hetplan.runtime.launch import _env, preflight, worker_args
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +53,8 @@ def launch_workers(cfg: RunConfig, nproc: int) -> dict[int, int]:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+    from hetplan.runtime.forkrun import run_rank, start_server
+
     conf = LaunchConfig(
         min_nodes=1,
         max_nodes=1,
@@ -63,11 +64,12 @@ def launch_workers(cfg: RunConfig, nproc: int) -> dict[int, int]:
         rdzv_endpoint=f"127.0.0.1:{_free_port()}",
         max_restarts=0,
         monitor_interval=0.05,
-        start_method="spawn",
+        start_method="forkserver",
     )
     os.environ.update(_env(cfg.threads))
+    start_server()  # once: every recovery's ranks fork from the same imported worker
     try:
-        elastic_launch(conf, sys.executable)("-m", WORKER, *worker_args(cfg))
+        elastic_launch(conf, run_rank)(worker_args(cfg))
     except ChildFailedError as exc:
         return {int(rank): f.exitcode for rank, f in exc.failures.items()}
     return {}

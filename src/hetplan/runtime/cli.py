@@ -131,6 +131,7 @@ def launch(
     from hetplan.runtime.launch import (
         check_host_memory,
         format_command,
+        launcher,
         local_command,
         node_commands,
         preflight,
@@ -241,7 +242,7 @@ def launch(
             if not 0 <= node_rank < len(cmds):
                 raise InputError("--node-rank", f"must be in [0, {len(cmds)})")
             cmd = cmds[node_rank][1]
-            cmd[0:1] = [*local_command(cfg, 1)[:3]]  # the same interpreter's torchrun
+            cmd[0:1] = launcher()  # this node's ranks, as torchrun would start them
             here = [d for d in here if d.rpartition(":")[0] == cmds[node_rank][0]]
         else:
             cmd = local_command(cfg, len(checked.devices))
@@ -250,9 +251,19 @@ def launch(
                        for d in s.devices}  # fmt: skip
             check_host_memory(tensors, here)
         try:
-            record = run_command(cmd, cfg, timeout_s=None)
+            record = run_command(cmd, cfg, timeout_s=None, rank0=not multi or node_rank == 0)
         except (RuntimeError, subprocess.SubprocessError) as exc:
             raise typer.Exit(_fail(str(exc))) from None
+    if not record:  # another node's ranks: rank 0, on node rank 0, reports the run
+        first = next(iter(checked.nodes))
+        if as_json:
+            typer.echo(json_text({"node_rank": node_rank, "ranks": len(here),
+                                  "reported_by": first}))  # fmt: skip
+        else:
+            ranks = f"{len(here)} rank" + ("s" if len(here) != 1 else "")
+            console.print(f"this node's {ranks} finished; {first} (node rank 0) reports the "
+                          "run's figures", highlight=False)  # fmt: skip
+        return
     record["predicted_step_time_s"] = pred_step
     record["predicted_tokens_per_s"] = est.tokens_per_s
     record["predicted_peak_memory_bytes"] = est.peak_memory_bytes

@@ -44,8 +44,10 @@ class RunConfig:
     seq_len: int = 0
     """Sequence length (0: the model's own)."""
     device: str = "auto"
-    node: str | None = None
-    """The node this process runs on (multi-node); None: rank i runs the plan's device i."""
+    on_node: str | None = None
+    """The node this process runs on (multi-node); None: rank i runs the plan's device i.
+    Not ``node``: torchrun's parser reads every option of its command line, the worker's
+    too, and ``--node`` is a prefix of two of its own (``--node-rank``, ``--node_rank``)."""
     warmup_steps: int = 1
     progress: bool = False
     local_dir: str | None = None

@@ -134,12 +134,17 @@ def worker_args(cfg: RunConfig) -> list[str]:
     return out
 
 
+def launcher() -> list[str]:
+    """Returns the first words of a command that runs torchrun's arguments here: this
+    interpreter's ``forkrun`` (torchrun's launcher, the ranks forked from one import of the
+    worker), never a torchrun found first on PATH."""
+    return [sys.executable, "-u", "-m", "hetplan.runtime.forkrun"]
+
+
 def local_command(cfg: RunConfig, nproc: int) -> list[str]:
     """Returns the torchrun --standalone command that runs every rank on this machine."""
     return [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
+        *launcher(),
         "--standalone",
         "--nnodes=1",
         f"--nproc-per-node={nproc}",
@@ -164,7 +169,7 @@ def node_commands(
             f"--nproc-per-node={n}",
             "-m",
             WORKER,
-            *worker_args(replace(cfg, node=node)),
+            *worker_args(replace(cfg, on_node=node)),
         ]
         out.append((node, cmd))
     return out
@@ -184,8 +189,11 @@ def _env(threads: int) -> dict[str, str]:
     return env
 
 
-def run_command(cmd: list[str], cfg: RunConfig, timeout_s: float | None) -> dict[str, Any]:
-    """Runs a torchrun command whose rank 0 writes cfg.result; returns that record."""
+def run_command(
+    cmd: list[str], cfg: RunConfig, timeout_s: float | None, rank0: bool = True
+) -> dict[str, Any]:
+    """Runs a torchrun command whose rank 0 writes cfg.result; returns that record ({} where
+    ``rank0`` is False: this node's command runs other ranks, rank 0 writes on its node)."""
     proc = subprocess.run(
         cmd,
         env=_env(cfg.threads),
@@ -197,7 +205,7 @@ def run_command(cmd: list[str], cfg: RunConfig, timeout_s: float | None) -> dict
     )
     if proc.returncode != 0:
         raise RuntimeError(failure_cause(proc.returncode, proc.stderr or ""))
-    if cfg.result is None:
+    if cfg.result is None or not rank0:
         return {}
     record: dict[str, Any] = json.loads(Path(cfg.result).read_text())
     return record

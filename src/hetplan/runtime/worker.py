@@ -44,10 +44,10 @@ log = logging.getLogger(__name__)
 
 def _devices(cfg: RunConfig, rank: int, world: int, order: list[str]) -> list[str]:
     """Returns the plan device of every rank, agreed through an all-gather."""
-    if cfg.node is None:
+    if cfg.on_node is None:
         mine = order[rank]
     else:
-        local = [d for d in order if d.rpartition(":")[0] == cfg.node]
+        local = [d for d in order if d.rpartition(":")[0] == cfg.on_node]
         mine = local[int(os.environ.get("LOCAL_RANK", "0"))]
     names: list[Any] = [None] * world
     dist.all_gather_object(names, mine)
@@ -347,6 +347,13 @@ def _parse(argv: list[str] | None) -> RunConfig:
 
 def main(argv: list[str] | None = None) -> None:
     """Entry point of one rank under torchrun."""
+    run(argv)
+    leave_and_exit(0)
+
+
+def run(argv: list[str] | None = None) -> None:
+    """Runs one rank to its end and leaves the process group (torchrun's ranks, and those
+    ``forkrun`` forks); on failure writes the cause beside the result first."""
     cfg = _parse(argv)
     if cfg.threads > 0:
         torch.set_num_threads(cfg.threads)
@@ -362,10 +369,10 @@ def main(argv: list[str] | None = None) -> None:
                 Path(f"{cfg.result}.error.{dist.get_rank()}").write_text(cause)
         dist.destroy_process_group()
         raise
-    leave_and_exit(0)
+    dist.destroy_process_group()
 
 
-__all__ = ["EMBED", "HEAD", "RunConfig", "Trainer", "main", "train"]
+__all__ = ["EMBED", "HEAD", "RunConfig", "Trainer", "main", "run", "train"]
 
 if __name__ == "__main__":
     main()
