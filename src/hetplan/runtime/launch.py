@@ -18,10 +18,9 @@ from hetplan.model import ModelSpec
 from hetplan.plan import Plan, load_plan
 from hetplan.runtime import checkpoint as ckpt
 from hetplan.runtime.config import RunConfig, check_data_file
+from hetplan.runtime.forkrun import WORKER
 from hetplan.runtime.layout import build_layout, check_runtime_plan, device_order
 from hetplan.runtime.support import check_plan_support, check_run_options, resolve_device
-
-WORKER = "hetplan.runtime.worker"
 
 
 @dataclass(frozen=True)
