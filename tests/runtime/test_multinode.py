@@ -20,8 +20,9 @@ from hetplan.runtime.launch import WORKER, _env, worker_args
 def _every_field_set() -> RunConfig:
     """Returns a configuration with every field away from its default."""
     values: dict[str, Any] = {}
+    defaults = RunConfig("p", "m", "c")
     for f in fields(RunConfig):
-        default = getattr(RunConfig("p", "m", "c"), f.name)
+        default = getattr(defaults, f.name)
         if isinstance(default, bool):
             values[f.name] = not default
         elif isinstance(default, int):

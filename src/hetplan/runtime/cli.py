@@ -236,6 +236,7 @@ def launch(
     with tempfile.TemporaryDirectory(prefix="hetplan-run-") as tmp:
         cfg = replace(cfg, result=str(Path(tmp) / "result.json"))
         here = checked.devices
+        rank0 = not multi or node_rank == 0  # rank 0 runs here and writes the record
         if multi:
             assert master_addr is not None and node_rank is not None
             cmds = node_commands(cfg, checked, master_addr, master_port)
@@ -251,10 +252,10 @@ def launch(
                        for d in s.devices}  # fmt: skip
             check_host_memory(tensors, here)
         try:
-            record = run_command(cmd, cfg, timeout_s=None, rank0=not multi or node_rank == 0)
+            record = run_command(cmd, cfg, timeout_s=None, rank0=rank0)
         except (RuntimeError, subprocess.SubprocessError) as exc:
             raise typer.Exit(_fail(str(exc))) from None
-    if not record:  # another node's ranks: rank 0, on node rank 0, reports the run
+    if not rank0:  # another node's ranks: rank 0, on node rank 0, reports the run
         first = next(iter(checked.nodes))
         if as_json:
             typer.echo(json_text({"node_rank": node_rank, "ranks": len(here),
