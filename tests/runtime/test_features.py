@@ -4,6 +4,7 @@ recomputation, sequence parallelism and the non-flash attention give the same tr
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -82,6 +83,7 @@ def _run(tmp: Path, inputs: dict[str, Path], plan: Path, family: str, **kw: Any)
         cluster=str(inputs["cluster"]),
         seed=SEED,
         checkpoint_dir=str(tmp / "ckpt"),
+        threads=0,  # torch's default, as torchrun gives it
         **kw,
     )
     return run_local(cfg, timeout_s=300)
@@ -122,6 +124,13 @@ def test_feature_matches_single_device(
     assert [s["lr"] for s in record["steps"]] == pytest.approx([1e-3, 2e-3, 2e-4])
     # clipping was in play (a tiny model's first gradients exceed norm 0.5)
     assert record["steps"][0]["grad_norm"] > optim.grad_clip
+    # --threads 0: each rank computes on OMP_NUM_THREADS threads, 1 where it is unset and
+    # several ranks share the machine, as under torchrun (ranks forked from the worker's
+    # server had as many as the machine's cores each)
+    ranks = len(record["threads"])
+    assert ranks == sum(len(devices) for _, stages in pipes for _, devices in stages) > 1
+    want = int(os.environ.get("OMP_NUM_THREADS", "1").split(",")[0])
+    assert set(record["threads"].values()) == {want}
 
 
 # bf16 / fp16 against the fp32 loss curve: 20 steps at lr 3e-3, two replicas. The

@@ -301,11 +301,12 @@ def train(cfg: RunConfig) -> dict[str, Any]:
         progress[0].stop()
     timed = [s["time_s"] for s in steps[cfg.warmup_steps :]] or [s["time_s"] for s in steps]
     peaks: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(peaks, (tr.place.device, tr.meter.peak_bytes()))
+    dist.all_gather_object(peaks, (tr.place.device, tr.meter.peak_bytes(), torch.get_num_threads()))
     measured = statistics.median(timed) if timed else None
     return {
         "steps": steps,
-        "peak_memory_bytes": dict(peaks),
+        "peak_memory_bytes": {device: peak for device, peak, _ in peaks},
+        "threads": {device: threads for device, _, threads in peaks},
         "tokens_per_s": tokens / measured if measured else None,
         "measured_step_time_s": measured,
         "final_step": tr.step,
