@@ -7,13 +7,10 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import shutil
 import signal
-import socket
 import tempfile
 import time
-import uuid
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -36,43 +33,20 @@ from hetplan.elastic.transfer import (
 from hetplan.errors import InputError
 from hetplan.runtime.checkpoint import check_resume
 from hetplan.runtime.config import RunConfig
-from hetplan.runtime.launch import _env, preflight, worker_args
+from hetplan.runtime.launch import preflight, worker_args
 
 log = logging.getLogger(__name__)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def launch_workers(cfg: RunConfig, nproc: int, log_dir: str) -> dict[int, int]:
+    """Runs the workers under torchrun's elastic agent, forked from this process's server
+    (``forkrun.run_here``: every recovery's ranks fork from the same imported worker);
+    returns {} on success, else the exit code of every failed rank (a preempted one was
+    killed: -SIGKILL). Their output is this process's."""
+    from hetplan.runtime.forkrun import run_here
 
-
-def launch_workers(cfg: RunConfig, nproc: int) -> dict[int, int]:
-    """Runs the workers under torchrun's elastic agent; returns {} on success, else the exit
-    code of every failed rank (a preempted one was killed: -SIGKILL)."""
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
-
-    from hetplan.runtime.forkrun import run_rank, start_server
-
-    conf = LaunchConfig(
-        min_nodes=1,
-        max_nodes=1,
-        nproc_per_node=nproc,
-        run_id=uuid.uuid4().hex,
-        rdzv_backend="c10d",
-        rdzv_endpoint=f"127.0.0.1:{_free_port()}",
-        max_restarts=0,
-        monitor_interval=0.05,
-        start_method="forkserver",
-    )
-    os.environ.update(_env(cfg.threads))
-    start_server()  # once: every recovery's ranks fork from the same imported worker
-    try:
-        elastic_launch(conf, run_rank)(worker_args(cfg))
-    except ChildFailedError as exc:
-        return {int(rank): f.exitcode for rank, f in exc.failures.items()}
-    return {}
+    failures = run_here(worker_args(cfg), nproc, log_dir, quiet=False)
+    return {rank: f.exitcode for rank, f in failures.items()}
 
 
 def open_store(url: str) -> ShardStore:
@@ -136,7 +110,7 @@ def run_elastic(
         estimate(plan, model, cluster, params).require_fit("PLAN")  # as launch refuses it
         for attempt in range(max_recoveries + 1):
             order = preflight(cur).devices
-            failed = launch_workers(cur, len(order))
+            failed = launch_workers(cur, len(order), str(Path(tmp) / f"logs-{attempt}"))
             step_log = Path(f"{cur.result}.steps")
             attempt_steps = _read_steps(step_log)
             step_log.unlink(missing_ok=True)

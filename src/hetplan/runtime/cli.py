@@ -132,10 +132,10 @@ def launch(
         check_host_memory,
         format_command,
         launcher,
-        local_command,
         node_commands,
         preflight,
         run_command,
+        run_ranks,
     )
     from hetplan.runtime.support import resolve_device
 
@@ -245,14 +245,15 @@ def launch(
             cmd = cmds[node_rank][1]
             cmd[0:1] = launcher()  # this node's ranks, as torchrun would start them
             here = [d for d in here if d.rpartition(":")[0] == cmds[node_rank][0]]
-        else:
-            cmd = local_command(cfg, len(checked.devices))
         if resolve_device(device) == "cpu":  # the ranks share this machine's memory
             tensors = {d: s.memory.total - s.memory.reserve for s in est.stages
                        for d in s.devices}  # fmt: skip
             check_host_memory(tensors, here)
         try:
-            record = run_command(cmd, cfg, timeout_s=None, rank0=rank0)
+            if multi:
+                record = run_command(cmd, cfg, timeout_s=None, rank0=rank0)
+            else:  # every rank forked from this process (torchrun's agent, no launcher)
+                record = run_ranks(cfg, len(checked.devices), timeout_s=None)
         except (RuntimeError, subprocess.SubprocessError) as exc:
             raise typer.Exit(_fail(str(exc))) from None
     if not rank0:  # another node's ranks: rank 0, on node rank 0, reports the run

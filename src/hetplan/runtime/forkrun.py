@@ -14,12 +14,24 @@ group and picks its device as a torchrun rank does; CUDA and NCCL are safe under
 
     python -m hetplan.runtime.forkrun --standalone --nproc-per-node=4 \\
         -m hetplan.runtime.worker --plan ...
+
+On one machine ``run_here`` does the same from the calling process, with no launcher process
+at all: its fork server is started once and kept, so every later run of that process (a
+test suite's, an elastic run's recoveries) forks its ranks without importing anything.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import os
+import signal
 import sys
+import threading
 import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
 
 WORKER = "hetplan.runtime.worker"
 
@@ -43,6 +55,157 @@ def main(argv: list[str] | None = None) -> None:
     args.start_method = "forkserver"
     config, _, _ = torchrun.config_from_args(args)
     elastic_launch(config=config, entrypoint=run_rank)(list(args.training_script_args))
+
+
+@dataclass(frozen=True)
+class Failure:
+    """How one rank of a run ended: its exit code (-N: killed by signal N) and the error it
+    raised ("" where it raised none: a signal, ``os._exit``)."""
+
+    exitcode: int
+    error: str
+    timestamp: int
+
+
+SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
+"""The signals torch's agent turns into ``SignalException`` while it runs (its default
+``TORCHELASTIC_SIGNALS_TO_HANDLE``): their handlers are this process's own again after."""
+
+
+def run_here(
+    argv: list[str],
+    nproc: int,
+    log_dir: str,
+    quiet: bool = True,
+    timeout_s: float | None = None,
+) -> dict[int, Failure]:
+    """Runs ``nproc`` ranks of the worker with arguments ``argv`` on this machine under
+    torchrun's elastic agent (a c10d rendezvous on a free local port, as ``--standalone``),
+    from this process: the ranks fork from its server (``start_server``, started once and
+    kept). Returns {} when every rank succeeded, else {rank: Failure} for those that failed.
+
+    ``quiet``: each rank's stdout and stderr go to files under ``log_dir`` (else to this
+    process's own, as the fork server inherited them). Where ``OMP_NUM_THREADS`` is unset
+    and several ranks share the machine, each gets 1, as torchrun gives. ``timeout_s`` (on
+    the main thread): the ranks are stopped after that many seconds and TimeoutError
+    raised. The agent's log lines are kept from this process's stderr; the signal handlers
+    it installs are undone."""
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException, Std
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    start_server()
+    conf = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=nproc,
+        run_id=uuid.uuid4().hex,
+        rdzv_backend="c10d",
+        rdzv_endpoint="localhost:0",
+        max_restarts=0,
+        monitor_interval=0.05,
+        start_method="forkserver",
+        logs_specs=DefaultLogsSpecs(log_dir=log_dir, redirects=Std.ALL if quiet else Std.NONE),
+    )
+    threads = {"OMP_NUM_THREADS": "1"} if nproc > 1 and "OMP_NUM_THREADS" not in os.environ else {}
+    with _environ(threads), _quiet_agent(), _own_signals(), _deadline(timeout_s) as expired:
+        try:
+            elastic_launch(conf, run_rank)(list(argv))
+        except ChildFailedError as exc:
+            return {
+                int(rank): Failure(f.exitcode, _raised(f), f.timestamp)
+                for rank, f in exc.failures.items()
+            }
+        except SignalException:
+            if expired:
+                raise TimeoutError(
+                    f"no result after {timeout_s:g} s: the ranks were stopped"
+                ) from None
+            raise KeyboardInterrupt from None
+    return {}
+
+
+def _raised(failure: Any) -> str:
+    """Returns the error a failed rank raised ("Type: text", from the error file torch's
+    ``record`` wrote), or "" where it wrote none (killed, or it ended before raising)."""
+    if not os.path.isfile(failure.error_file):
+        return ""
+    message = failure.message  # the file's "message": the text, or {"message": text, ...}
+    if isinstance(message, dict):
+        message = message.get("message", "")
+    return " ".join(str(message).split())
+
+
+@contextlib.contextmanager
+def _environ(values: dict[str, str]) -> Iterator[None]:
+    """Sets ``values`` in this process's environment (the agent copies ``OMP_NUM_THREADS``
+    into each rank's) for the block, then restores it."""
+    before = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+@contextlib.contextmanager
+def _quiet_agent() -> Iterator[None]:
+    """Keeps the agent's and the launcher's log records (closing signals sent, a failure
+    table) off this process's stderr: the caller states the outcome on one line."""
+    names = [n for n in logging.root.manager.loggerDict
+             if n.startswith(("torch.distributed", "torch.multiprocessing"))]  # fmt: skip
+    loggers = [logging.getLogger(n) for n in names]
+    before = [lg.disabled for lg in loggers]
+    for lg in loggers:
+        lg.disabled = True
+    try:
+        yield
+    finally:
+        for lg, was in zip(loggers, before, strict=True):
+            lg.disabled = was
+
+
+@contextlib.contextmanager
+def _own_signals() -> Iterator[None]:
+    """Restores this process's handlers of the signals the agent takes over (main thread)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    kinds = [getattr(signal, name) for name in SIGNALS if hasattr(signal, name)]
+    before = {k: signal.getsignal(k) for k in kinds}
+    try:
+        yield
+    finally:
+        for k, handler in before.items():
+            signal.signal(k, handler)
+
+
+@contextlib.contextmanager
+def _deadline(timeout_s: float | None) -> Iterator[list[bool]]:
+    """Within the block, after ``timeout_s`` raises torch's ``SignalException`` (SIGTERM) in
+    the main thread, which the agent answers by stopping the ranks; yields a flag list,
+    non-empty once that happened. No deadline off the main thread or without a timeout."""
+    expired: list[bool] = []
+    if timeout_s is None or threading.current_thread() is not threading.main_thread():
+        yield expired
+        return
+    from torch.distributed.elastic.multiprocessing import SignalException
+
+    def expire(signum: int, frame: object) -> None:
+        expired.append(True)
+        raise SignalException(f"no result after {timeout_s} s", sigval=signal.SIGTERM)
+
+    before = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, max(timeout_s, 1e-3))
+    try:
+        yield expired
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, before)
 
 
 def start_server() -> None:

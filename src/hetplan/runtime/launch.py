@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shlex
@@ -236,9 +237,46 @@ def failure_cause(code: int, stderr: str) -> str:
     return f"training failed: {how}" + (f": {errors[-1]}" if errors else "")
 
 
+def run_ranks(cfg: RunConfig, nproc: int, timeout_s: float | None) -> dict[str, Any]:
+    """Runs ``nproc`` ranks of ``cfg`` on this machine from this process (torchrun's agent,
+    the ranks forked from one import of the worker: ``forkrun.run_here``); returns rank 0's
+    record (``cfg.result``). A failed run raises RuntimeError with its cause on one line;
+    without ``cfg.progress`` the ranks' own output is kept from this process's."""
+    from hetplan.runtime.forkrun import run_here
+
+    assert cfg.result is not None
+    with tempfile.TemporaryDirectory(prefix="hetplan-logs-") as logs:
+        try:
+            failures = run_here(worker_args(cfg), nproc, logs, not cfg.progress, timeout_s)
+        except TimeoutError as exc:
+            raise RuntimeError(f"training failed: {exc}") from None
+    if failures:
+        raise RuntimeError(failed_run_cause(failures, cfg.result))
+    record: dict[str, Any] = json.loads(Path(cfg.result).read_text())
+    return record
+
+
+def failed_run_cause(failures: dict[int, Any], result: str) -> str:
+    """Returns one line saying why a run failed: the rank at the root (one killed by a
+    signal first: no peer's failure makes a rank die of a signal, while a dead peer makes
+    the others raise; then the earliest to fail), how it ended, and the error it raised
+    (torch's error file, else the one the worker wrote beside the result)."""
+    import signal
+
+    rank, f = min(failures.items(), key=lambda kv: (kv[1].exitcode >= 0, kv[1].timestamp, kv[0]))
+    code = f.exitcode
+    how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exited with {code}"
+    error = f.error
+    if not error:
+        with contextlib.suppress(OSError):
+            error = Path(f"{result}.error.{rank}").read_text().strip()
+    return f"training failed: rank {rank} {how}" + (f": {' '.join(error.split())}" if error else "")
+
+
 def run_local(cfg: RunConfig, timeout_s: float | None = 600.0) -> dict[str, Any]:
-    """Checks the inputs, trains on this machine through torchrun, returns rank 0's record."""
+    """Checks the inputs, trains on this machine through torchrun's agent, returns rank 0's
+    record."""
     checked = preflight(cfg)
     with tempfile.TemporaryDirectory(prefix="hetplan-run-") as tmp:
         local = replace(cfg, result=str(Path(tmp) / "result.json"))
-        return run_command(local_command(local, len(checked.devices)), local, timeout_s)
+        return run_ranks(local, len(checked.devices), timeout_s)
