@@ -25,6 +25,9 @@ def test_unsupported_operator_is_named_with_location() -> None:
         capture(Cumsum(), (torch.randn(3, 4),))
     assert "cumsum" in str(err.value)
     assert "test_capture.py" in str(err.value)
+    # the user's own line: the module's forward, not the test that called capture
+    line = Cumsum.forward.__code__.co_firstlineno + 1
+    assert f"test_capture.py:{line} in forward" in str(err.value)
 
 
 def test_loss_must_be_scalar() -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import math
 import re
+import traceback
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -74,12 +75,27 @@ class Captured:
 
 
 class _Tracer(fx.Tracer):
-    def __init__(self) -> None:
-        super().__init__()
-        self.record_stack_traces = True
+    """Traces through every submodule and keeps each node's Python stack (``_location``
+    names the user's line in messages). fx's own ``record_stack_traces`` symbolises a
+    combined C++/Python traceback per node: 2-3 s for BERT's 116 nodes, most of a capture;
+    the interpreter's own frames take microseconds."""
 
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
         return False
+
+    def create_node(
+        self,
+        kind: str,
+        target: Any,
+        args: Any,
+        kwargs: Any,
+        name: str | None = None,
+        type_expr: Any | None = None,
+    ) -> fx.Node:
+        node = super().create_node(kind, target, args, kwargs, name, type_expr)
+        if not node.stack_trace:
+            node.stack_trace = "".join(traceback.format_list(traceback.extract_stack()[:-1]))
+        return node
 
 
 def _location(node: fx.Node) -> str:
