@@ -34,6 +34,9 @@ from dataclasses import dataclass
 from typing import Any
 
 WORKER = "hetplan.runtime.worker"
+SPMD_WORKER = "hetplan.spmd.execute"
+"""The SPMD equivalence ranks' module (``spmd.execute.run_distributed``): one server,
+started by whichever comes first, serves both (its preloads are fixed when it starts)."""
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -209,11 +212,11 @@ def _deadline(timeout_s: float | None) -> Iterator[list[bool]]:
 
 
 def start_server() -> None:
-    """Starts this process's fork server (once), importing the worker; ranks started with
-    ``start_method="forkserver"`` are forked from it."""
+    """Starts this process's fork server (once), importing the training worker and the
+    SPMD one; ranks started with ``start_method="forkserver"`` are forked from it."""
     from multiprocessing import forkserver
 
-    forkserver.set_forkserver_preload([WORKER])
+    forkserver.set_forkserver_preload([WORKER, SPMD_WORKER])
     forkserver.ensure_running()
 
 

@@ -180,16 +180,21 @@ def run_distributed(
 ) -> dict[str, tuple[float, dict[str, torch.Tensor]]]:
     """Runs each case's program on ``world`` local gloo ranks; returns rank 0's results.
 
-    A case names a 'factory' ('pkg.mod:fn', with 'kwargs'), a 'seed' and a 'program'.
+    A case names a 'factory' ('pkg.mod:fn', with 'kwargs'), a 'seed' and a 'program'. The
+    ranks fork from this process's fork server (``runtime.forkrun.start_server``: torch
+    imported once, kept for later runs) instead of each importing torch anew.
     """
-    ctx = mp.get_context("spawn")
+    from hetplan.runtime.forkrun import start_server
+
+    start_server()
+    ctx = mp.get_context("forkserver")
     queue = ctx.SimpleQueue()
     procs = mp.start_processes(
         _equivalence_worker,
         args=(world, free_port(), cases, queue),
         nprocs=world,
         join=False,
-        start_method="spawn",
+        start_method="forkserver",
     )
     deadline = time.monotonic() + timeout_s
     results: dict[str, tuple[float, dict[str, torch.Tensor]]] = {}
