@@ -267,6 +267,26 @@ def test_bad_data_files_exit_2_with_one_line(
         assert not root.exists()  # refused before any process started
 
 
+def test_bad_input_is_refused_before_torch_is_imported(
+    tmp_path: Path, inputs: dict[str, Path], write_plan: Any
+) -> None:
+    """Every check of launch's inputs needs no torch; only the device (--device auto asks
+    torch for CUDA) does, so a refusal takes well under a second, not torch's import."""
+    plan = write_plan(tmp_path / "p.json", ASYM)
+    (tmp_path / "odd.bin").write_bytes(b"x")
+    argv = ["hetplan", "launch", str(plan), "--model", str(inputs["gpt"]), "--cluster",
+            str(inputs["cluster"]), "--data", str(tmp_path / "odd.bin")]  # fmt: skip
+    code = (
+        "import sys\nfrom hetplan.cli import main\n"
+        f"sys.argv = {argv!r}\n"
+        "try:\n    main()\nexcept SystemExit as exc:\n"
+        "    print(exc.code, 'torch' in sys.modules)\n"
+    )
+    res = subprocess.run([sys.executable, "-c", code], env=_env(1), capture_output=True,
+                         text=True, timeout=120)  # fmt: skip
+    assert "--data" in res.stderr and res.stdout.split() == ["2", "False"], res.stderr
+
+
 @pytest.mark.distributed
 def test_dropout_option_reaches_the_model(
     tmp_path: Path, inputs: dict[str, Path], write_plan: Any

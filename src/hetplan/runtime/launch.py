@@ -43,8 +43,6 @@ def preflight(cfg: RunConfig) -> Checked:
     cluster = load_cluster(cfg.cluster)
     plan = load_plan(Path(cfg.plan), option="PLAN")
     check_runtime_plan(plan, model, cluster)
-    device = resolve_device(cfg.device)
-    check_plan_support(plan, model, build_layout(plan, model, cluster), device)
     check_run_options(cfg)
     if cfg.steps <= 0:
         raise InputError("--steps", "must be positive")
@@ -73,6 +71,10 @@ def preflight(cfg: RunConfig) -> Checked:
             last = held[-1][0]
             raise InputError("--checkpoint-dir", f"{root} holds checkpoints up to step "
                              f"{last}: --resume to continue, or name another folder")  # fmt: skip
+    # the device last: --device auto asks torch whether CUDA is here (3 s of import), while
+    # every check above needs no torch, so bad input is refused at once
+    device = resolve_device(cfg.device)
+    check_plan_support(plan, model, build_layout(plan, model, cluster), device)
     devices = device_order(plan, cluster)
     nodes: dict[str, int] = {}
     for d in devices:
