@@ -80,11 +80,12 @@ def test_corrupt_checkpoint_refused_and_left_alone(
     before = {p: p.read_bytes() for p in work.rglob("*") if p.is_file()}
     with pytest.raises(InputError, match="corrupt"):
         preflight(_cfg(other, inputs, work, steps=4, resume=True))
-    with pytest.raises(RuntimeError):  # the workers verify too, before any step
-        from hetplan.runtime.launch import local_command, run_command
+    # the workers verify too, before any step (the launch past preflight's own check)
+    with pytest.raises(RuntimeError, match=r"training failed: rank \d exited with 1: .*corrupt"):
+        from hetplan.runtime.launch import run_ranks
 
         cfg = _cfg(other, inputs, work, steps=4, resume=True)
-        run_command(local_command(cfg, 3), cfg, timeout_s=120)
+        run_ranks(replace(cfg, result=str(tmp_path / "result.json")), 3, timeout_s=120)
     assert {p: p.read_bytes() for p in work.rglob("*") if p.is_file()} == before
 
 

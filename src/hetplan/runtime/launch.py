@@ -143,19 +143,6 @@ def launcher() -> list[str]:
     return [sys.executable, "-u", "-m", "hetplan.runtime.forkrun"]
 
 
-def local_command(cfg: RunConfig, nproc: int) -> list[str]:
-    """Returns the torchrun --standalone command that runs every rank on this machine."""
-    return [
-        *launcher(),
-        "--standalone",
-        "--nnodes=1",
-        f"--nproc-per-node={nproc}",
-        "-m",
-        WORKER,
-        *worker_args(cfg),
-    ]
-
-
 def node_commands(
     cfg: RunConfig, checked: Checked, master_addr: str, port: int = 29500
 ) -> list[tuple[str, list[str]]]:
