@@ -203,3 +203,47 @@ def test_the_documented_factory_plans(tmp_path) -> None:
     res = plan_module(f"{tmp_path / 'mymodel.py'}:make", "A100-80GB:1x4", "batch=32")
     assert len(res.program.ratios) == 4 and abs(sum(res.program.ratios) - 1) < 1e-9
     assert res.predicted_time_s < res.dp_ev_time_s * 1.0001
+
+
+RANK_FAILS = """
+import os
+
+import torch
+from torch import nn
+
+
+class Lin(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.l(x).sum()
+
+
+def rank_one_fails():
+    if os.environ.get("RANK") == "1":  # the command's own check builds it with no rank
+        raise RuntimeError("rank one cannot build")
+    return Lin(), (torch.randn(4, 8),)
+"""
+
+
+def test_a_rank_that_fails_ends_the_run_with_its_cause(tmp_path) -> None:
+    """`spmd run` forks its ranks from one import (forkrun.run_here): a rank that raises
+    ends the command with exit 1 and one line naming the rank and its error."""
+    from pathlib import Path
+
+    (tmp_path / "facts.py").write_text(RANK_FAILS)
+    script = Path(sys.executable).parent / "hetplan"
+    res = subprocess.run([str(script), "spmd", "run", "--module", "facts:rank_one_fails",
+                          "--cluster", "A100-80GB:1x2", "--steps", "1"],
+                         capture_output=True, text=True, timeout=300, cwd=tmp_path)  # fmt: skip
+    assert res.returncode == 1, res.stderr[-2000:]
+    # the cause first, and no rank's traceback (torchrun printed pages of them: the failing
+    # rank's, then its peers' "Connection closed by peer"); multiprocessing's resource
+    # tracker may still warn of a semaphore the stopped peer held
+    assert res.stderr.splitlines()[0] == (
+        "training failed: rank 1 exited with 1: InputError: --module: facts:rank_one_fails "
+        "failed: RuntimeError: rank one cannot build"
+    ), res.stderr[-2000:]
+    assert "Traceback" not in res.stderr and "[rank" not in res.stderr, res.stderr[-2000:]

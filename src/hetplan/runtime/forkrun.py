@@ -29,14 +29,15 @@ import signal
 import sys
 import threading
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 WORKER = "hetplan.runtime.worker"
-SPMD_WORKER = "hetplan.spmd.execute"
-"""The SPMD equivalence ranks' module (``spmd.execute.run_distributed``): one server,
-started by whichever comes first, serves both (its preloads are fixed when it starts)."""
+SPMD_WORKER = "hetplan.spmd.launch"
+"""The SPMD ranks' module (``hetplan spmd run``; it imports ``spmd.execute``, whose
+``run_distributed`` forks the equivalence ranks): one server, started by whichever comes
+first, serves both (its preloads are fixed when it starts)."""
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -81,6 +82,7 @@ def run_here(
     log_dir: str,
     quiet: bool = True,
     timeout_s: float | None = None,
+    entry: Callable[[list[str]], None] | None = None,
 ) -> dict[int, Failure]:
     """Runs ``nproc`` ranks of the worker with arguments ``argv`` on this machine under
     torchrun's elastic agent (a c10d rendezvous on a free local port, as ``--standalone``),
@@ -92,7 +94,8 @@ def run_here(
     and several ranks share the machine, each gets 1, as torchrun gives. ``timeout_s`` (on
     the main thread): the ranks are stopped after that many seconds and TimeoutError
     raised. The agent's log lines are kept from this process's stderr; the signal handlers
-    it installs are undone."""
+    it installs are undone. ``entry``: the rank's function (default ``run_rank``, the
+    training worker; ``run_spmd_rank`` for ``hetplan spmd run``)."""
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException, Std
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -112,10 +115,11 @@ def run_here(
     )
     threads = {"OMP_NUM_THREADS": "1"} if nproc > 1 and "OMP_NUM_THREADS" not in os.environ else {}
     with _environ(threads), _quiet_agent(), _own_signals(), _deadline(timeout_s) as expired:
+        failures: dict[int, Failure] = {}
         try:
-            elastic_launch(conf, run_rank)(list(argv))
+            elastic_launch(conf, entry or run_rank)(list(argv))
         except ChildFailedError as exc:
-            return {
+            failures = {
                 int(rank): Failure(f.exitcode, _raised(f), f.timestamp)
                 for rank, f in exc.failures.items()
             }
@@ -125,7 +129,7 @@ def run_here(
                     f"no result after {timeout_s:g} s: the ranks were stopped"
                 ) from None
             raise KeyboardInterrupt from None
-    return {}
+    return failures
 
 
 def _raised(failure: Any) -> str:
@@ -224,6 +228,14 @@ def run_rank(argv: list[str]) -> None:
     """One forked rank: the worker's run, returning to the launcher's wrapper (which reports
     the outcome, then ends the process with ``os._exit``: no interpreter teardown)."""
     from hetplan.runtime.worker import run  # preloaded in the server: no import here
+
+    apply_thread_count()
+    run(argv)
+
+
+def run_spmd_rank(argv: list[str]) -> None:
+    """One forked rank of ``hetplan spmd run`` (``spmd.launch.run``), as ``run_rank``."""
+    from hetplan.spmd.launch import run  # preloaded in the server
 
     apply_thread_count()
     run(argv)

@@ -245,7 +245,7 @@ def run_ranks(cfg: RunConfig, nproc: int, timeout_s: float | None) -> dict[str, 
     return record
 
 
-def failed_run_cause(failures: dict[int, Any], result: str) -> str:
+def failed_run_cause(failures: dict[int, Any], result: str | None = None) -> str:
     """Returns one line saying why a run failed: the rank at the root (one killed by a
     signal first: no peer's failure makes a rank die of a signal, while a dead peer makes
     the others raise; then the earliest to fail), how it ended, and the error it raised
@@ -256,7 +256,7 @@ def failed_run_cause(failures: dict[int, Any], result: str) -> str:
     code = f.exitcode
     how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exited with {code}"
     error = f.error
-    if not error:
+    if not error and result:
         with contextlib.suppress(OSError):
             error = Path(f"{result}.error.{rank}").read_text().strip()
     return f"training failed: rank {rank} {how}" + (f": {' '.join(error.split())}" if error else "")

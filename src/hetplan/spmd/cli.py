@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import inspect
-import subprocess
-import sys
 from typing import TYPE_CHECKING, Any
 
 import typer
@@ -156,26 +154,23 @@ def run(
     if program not in ("synth", "dp-ev", "dp-cp"):
         raise InputError("--program", f"'{program}' is not synth, dp-ev or dp-cp")
     build_example(module, inputs)  # the module and its inputs, checked before any rank starts
-    cmd = [
-        sys.executable,  # this environment's torch, not whichever torchrun PATH finds first
-        "-m",
-        "torch.distributed.run",
-        f"--nproc-per-node={n}",
-        "--master-addr=127.0.0.1",
-        "-m",
-        "hetplan.spmd.launch",
-        "--module",
-        module,
-        "--cluster",
-        cluster,
-        "--steps",
-        str(steps),
-    ]
+    import tempfile
+
+    from hetplan.runtime.forkrun import run_here, run_spmd_rank
+    from hetplan.runtime.launch import failed_run_cause
+
+    argv = ["--module", module, "--cluster", cluster, "--steps", str(steps)]
     if inputs:
-        cmd += ["--inputs", inputs]
+        argv += ["--inputs", inputs]
     if threads:
-        cmd += ["--threads", threads]
+        argv += ["--threads", threads]
     if duty:
-        cmd += ["--duty", duty]
-    cmd += ["--program", program]
-    raise typer.Exit(subprocess.call(cmd))
+        argv += ["--duty", duty]
+    argv += ["--program", program]
+    # torchrun's agent from this process, the ranks forked from one import (forkrun): each
+    # prints to this command's own output
+    with tempfile.TemporaryDirectory(prefix="hetplan-spmd-") as logs:
+        failures = run_here(argv, n, logs, quiet=False, entry=run_spmd_rank)
+    if failures:
+        typer.echo(failed_run_cause(failures), err=True)
+        raise typer.Exit(1)

@@ -1,8 +1,10 @@
-"""Per-rank entry point run by torchrun: synthesise on rank 0, broadcast, train."""
+"""Per-rank entry point: synthesise on rank 0, broadcast, train (``run``: a rank forked by
+``hetplan spmd run``; ``main``: a rank torchrun starts)."""
 
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 
 import torch
@@ -21,8 +23,15 @@ from hetplan.spmd.synth import plan_at, synthesize
 
 
 def main() -> None:
-    """Runs ``--steps`` SGD steps of the synthesised program on this rank."""
-    ap = argparse.ArgumentParser()
+    """Entry point of one rank under torchrun: ``run``, then leave the process."""
+    run(sys.argv[1:])
+    leave_and_exit(0)
+
+
+def run(argv: list[str] | None = None) -> None:
+    """Runs ``--steps`` SGD steps of the synthesised program on this rank, then leaves the
+    process group (rank 0 prints each step and the median step time)."""
+    ap = argparse.ArgumentParser(prog="hetplan.spmd.launch")
     ap.add_argument("--module", required=True)
     ap.add_argument("--cluster", required=True)
     ap.add_argument("--inputs", default="")
@@ -30,7 +39,7 @@ def main() -> None:
     ap.add_argument("--threads", default="")
     ap.add_argument("--duty", default="", help="per-rank CPU duty cycle, e.g. 1,0.5")
     ap.add_argument("--program", default="synth", choices=("synth", "dp-ev", "dp-cp"))
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     rank, world = env_rank()
     if args.threads:
         torch.set_num_threads(int(args.threads.split(",")[rank % len(args.threads.split(","))]))
@@ -77,7 +86,8 @@ def main() -> None:
     if watcher is not None:
         watcher.terminate()
         watcher.wait(timeout=5)
-    leave_and_exit(0)
+    dist.destroy_process_group()
+    sys.stdout.flush()
 
 
 if __name__ == "__main__":
