@@ -97,6 +97,8 @@ def test_bad_options_are_one_line_before_any_rank_starts(tmp_path, monkeypatch) 
 
 
 FACTORIES = """
+import os
+
 import torch
 from torch import nn
 
@@ -111,6 +113,11 @@ class Lin(nn.Module):
 
 
 def good():
+    return Lin(), (torch.randn(4, 8),)
+
+def rank_one_fails():
+    if os.environ.get("RANK") == "1":  # the command's own check builds it with no rank
+        raise RuntimeError("rank one cannot build")
     return Lin(), (torch.randn(4, 8),)
 
 def bare_tensor():
@@ -205,35 +212,12 @@ def test_the_documented_factory_plans(tmp_path) -> None:
     assert res.predicted_time_s < res.dp_ev_time_s * 1.0001
 
 
-RANK_FAILS = """
-import os
-
-import torch
-from torch import nn
-
-
-class Lin(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.l = nn.Linear(8, 8)
-
-    def forward(self, x):
-        return self.l(x).sum()
-
-
-def rank_one_fails():
-    if os.environ.get("RANK") == "1":  # the command's own check builds it with no rank
-        raise RuntimeError("rank one cannot build")
-    return Lin(), (torch.randn(4, 8),)
-"""
-
-
 def test_a_rank_that_fails_ends_the_run_with_its_cause(tmp_path) -> None:
     """`spmd run` forks its ranks from one import (forkrun.run_here): a rank that raises
     ends the command with exit 1 and one line naming the rank and its error."""
     from pathlib import Path
 
-    (tmp_path / "facts.py").write_text(RANK_FAILS)
+    (tmp_path / "facts.py").write_text(FACTORIES)
     script = Path(sys.executable).parent / "hetplan"
     res = subprocess.run([str(script), "spmd", "run", "--module", "facts:rank_one_fails",
                           "--cluster", "A100-80GB:1x2", "--steps", "1"],
