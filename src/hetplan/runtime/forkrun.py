@@ -63,8 +63,9 @@ def main(argv: list[str] | None = None) -> None:
 
 @dataclass(frozen=True)
 class Failure:
-    """How one rank of a run ended: its exit code (-N: killed by signal N) and the error it
-    raised ("" where it raised none: a signal, ``os._exit``)."""
+    """How one rank of a run ended: its exit code (-N: killed by signal N), the error it
+    raised ("" where it raised none: a signal, ``os._exit``) and when, in whole seconds
+    (torch's, to find the first to fail)."""
 
     exitcode: int
     error: str
@@ -248,8 +249,6 @@ def apply_thread_count() -> None:
     imported torch inherits the server's count instead (as many as the machine's cores:
     with ``--threads 0`` four ranks on two cores ran eight threads, 19 CPU seconds for a
     two-step run that takes 14 on one thread a rank). ``--threads`` above 0 overrides it."""
-    import os
-
     import torch
 
     first = os.environ.get("OMP_NUM_THREADS", "").split(",")[0].strip()
