@@ -390,7 +390,8 @@ def mix_searches(console: Console, samples: int) -> None:
             start = time.perf_counter()
             res = het.search_heterogeneous(job.model, cluster, job.global_batch, job.precision,
                                            1, job.params, job.flash, job.limits, cache=cache,
-                                           ceiling_s=cut, single_type=False)  # fmt: skip
+                                           ceiling_s=cut, single_type=False,
+                                           every_node=True)  # fmt: skip
             times.append(time.perf_counter() - start)
             found += bool(res.ranked)
     finally:

@@ -103,6 +103,10 @@ class Plan:
         """Returns every device the plan uses."""
         return [d for p in self.pipelines for s in p.stages for d in s.devices]
 
+    def node_names(self) -> set[str]:
+        """Returns the names of the nodes the plan's devices are on ('node:index')."""
+        return {d.rpartition(":")[0] for d in self.devices()}
+
     def num_micro_batches(self, pipeline: Pipeline) -> int:
         """Returns the micro-batches one pipeline runs per iteration."""
         return pipeline.batch_size // self.micro_batch_size

@@ -42,9 +42,10 @@ MARKETS = [
 MODEL, TOKENS, BATCH = "gpt2", 1e9, 16
 
 
-def _brute_force(market):
+def _brute_force(market, every_node=False):
     """Every configuration planned directly: (GPUs by type, time to train in seconds, cost
-    in dollars), None for both where the search finds no plan."""
+    in dollars), None for both where the search finds no plan; ``every_node``: the mixes
+    planned with a device on every node (what their bounds bound)."""
     model = load_model(MODEL)
     terms = SpotTerms(state_bytes=12.0 * model.total_params())
     rows = []
@@ -64,10 +65,15 @@ def _brute_force(market):
     for na in range(1, a.max_nodes + 1):
         for nb in range(1, b.max_nodes + 1):
             cluster = Cluster(a.cluster(na, "spot").nodes + b.cluster(nb, "spot").nodes)
-            plan, est = search_heterogeneous(model, cluster, BATCH, "fp16", 1).ranked[0]
+            ranked = search_heterogeneous(model, cluster, BATCH, "fp16", 1,
+                                          every_node=every_node).ranked  # fmt: skip
+            ga, gb = na * a.gpus_per_node, nb * b.gpus_per_node
+            if not ranked:
+                rows.append(({a.gpu.name: ga, b.gpu.name: gb}, None, None))
+                continue
+            plan, est = ranked[0]
             load = mixed_load([offer_load(a, na, terms), offer_load(b, nb, terms)])
             t = TOKENS / est.tokens_per_s * slowdowns(*load, terms, checkpoint_time_s(plan, model))
-            ga, gb = na * a.gpus_per_node, nb * b.gpus_per_node
             usd = ga * a.price("spot") + gb * b.price("spot")
             rows.append(({a.gpu.name: ga, b.gpu.name: gb}, t, t / 3600 * usd))
     return rows
@@ -101,25 +107,33 @@ def test_spot_mixes_front_and_bounds_against_brute_force(offers):
     assert any(len(g) == 2 for g, _, _ in rows)
     assert _same(_front(got), want)
     assert got.planned + got.pruned + got.impossible == len(rows)
-    # every mix's proven bounds lie below what its plan reaches (time and cost)
+    # every mix's proven bounds lie below what its best plan using every node reaches (time
+    # and cost): the plans the bounds are of (a plan leaving a node idle is the smaller
+    # configuration's, whose point dominates it: the front above is all plans')
     job = pts.ProvisionJob(model, TOKENS, BATCH, "fp16", True, default_params(),
                            SpotTerms(state_bytes=12.0 * model.total_params()), True, True,
                            pricing="spot")  # fmt: skip
     grid, pairs, impossible = mixes_mod.mix_grid(job, list(market.offers))
     assert impossible == 0 and grid.t_lb.size == sum(len(g) == 2 for g, _, _ in rows)
-    reached = {tuple(sorted(g.items())): (t, c) for g, t, c in rows if len(g) == 2}
+    spanning = _brute_force(market, every_node=True)
+    reached = {tuple(sorted(g.items())): (t, c) for g, t, c in spanning
+               if len(g) == 2 and t is not None}  # fmt: skip
+    assert reached
     for q in range(grid.t_lb.size):
         a, b = pairs[int(grid.pair[q])]
         key = tuple(sorted({a.gpu.name: int(grid.na[q]) * a.gpus_per_node,
                             b.gpu.name: int(grid.nb[q]) * b.gpus_per_node}.items()))  # fmt: skip
+        if key not in reached:  # no plan uses every node of this mix
+            continue
         t, c = reached[key]
         assert grid.t_lb[q] <= t * (1 + 1e-12)
         assert grid.c_lb[q] <= c * (1 + 1e-12)
         # the bound over the fewest stages of any pipeline, at least the first and below t
         na, nb = np.array([grid.na[q]]).astype(int), np.array([grid.nb[q]]).astype(int)
         floors = (pts.offer_floor(job, a), pts.offer_floor(job, b))
+        step = mixes_mod.spread_floor_s(job, a, b, na + nb)
         tight = float(mix_time_floor_s(model, BATCH, pts.iterations(job), job.terms, (a, b),
-                                       floors, na, nb)[0])  # fmt: skip
+                                       floors, na, nb, step)[0])  # fmt: skip
         assert tight >= grid.t_lb[q] * (1 - 1e-12)
         assert tight <= t * (1 + 1e-12)
     # and every planned point's own bound, single types included
@@ -191,7 +205,7 @@ def test_stage_grid_and_the_stage_bound_tighten_where_nodes_are_many():
     nodes + 1 T4 node, at 0.5 preemptions a node-hour, the plain bound takes C at the state
     over 9 nodes; the stage bound knows that short pipelines checkpoint more per node and
     long ones pay more fixed costs: it is higher, and still below what the heterogeneous
-    search's plan reaches."""
+    search's best plan using every node reaches (what the mixes' bounds are of)."""
     import math
 
     from hetplan.elastic.placement import shard_bytes
@@ -213,11 +227,12 @@ def test_stage_grid_and_the_stage_bound_tighten_where_nodes_are_many():
     grid, _, _ = mixes_mod.mix_grid(job, [a, b])
     q = int(np.nonzero((grid.na == 8) & (grid.nb == 1))[0][0])
     floors = (pts.offer_floor(job, a), pts.offer_floor(job, b))
+    step = mixes_mod.spread_floor_s(job, a, b, np.array([9]))
     tight = float(mix_time_floor_s(model, BATCH, pts.iterations(job), terms, (a, b), floors,
-                                   np.array([8]), np.array([1]))[0])  # fmt: skip
+                                   np.array([8]), np.array([1]), step)[0])  # fmt: skip
     assert tight > 1.02 * grid.t_lb[q]
     cluster = Cluster(a.cluster(8, "spot").nodes + b.cluster(1, "spot").nodes)
-    plan, est = search_heterogeneous(model, cluster, BATCH, "fp16", 1).ranked[0]
+    plan, est = search_heterogeneous(model, cluster, BATCH, "fp16", 1, every_node=True).ranked[0]
     load = mixed_load([offer_load(a, 8, terms), offer_load(b, 1, terms)])
     t = TOKENS / est.tokens_per_s * slowdowns(*load, terms, checkpoint_time_s(plan, model))
     assert tight <= t

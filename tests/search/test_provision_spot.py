@@ -224,28 +224,34 @@ def test_idle_nodes_never_lower_the_slowdown_by_hand():
         assert both >= alone * (1 - 1e-12) or math.isinf(both)
 
 
-def test_spot_mixes_front_is_the_same_without_the_single_type_baseline(monkeypatch):
-    """Provisioning's mixes leave out the search's single-type baseline (such a plan is the
-    single-type configuration's, which dominates it): the spot front with mixes, every mix
-    planned, is the same as with the baseline searched on every mix."""
+def test_spot_mixes_front_is_the_same_with_every_plan_of_every_mix(monkeypatch):
+    """Provisioning's mixes are searched only for plans using every node, without the
+    single-type baseline (a plan leaving a node idle, a whole type included, is the smaller
+    configuration's, which dominates it): the spot front with mixes, every mix planned, is
+    the same as with every plan of every mix searched (the baseline too), though the mixes'
+    own points differ (their best plans leave nodes idle)."""
     from hetplan.search import heterogeneous
     from hetplan.search.provision import provision
 
-    market = _a100_t4_spot_market(3, (0.2, 0.05))
+    market = _a100_t4_spot_market(2, (0.2, 0.05))
     model = load_model("gpt2")
 
-    def front():
+    def planned():
         got = provision(model, market, 1e9, 16, "fp16", spot=True, mixes=True, prune=False)
-        assert sum(len(p.gpus) == 2 for p in got.points) == 9  # every mix has a plan
-        return [(p.gpus, p.time_to_train_s, p.total_cost_usd) for p in got.front]
+        assert sum(len(p.gpus) == 2 for p in got.points) == 4  # every mix has a plan
+        front = [(p.gpus, p.time_to_train_s, p.total_cost_usd) for p in got.front]
+        mixes = [p.time_to_train_s for p in got.points if len(p.gpus) == 2]
+        return front, mixes
 
-    without = front()
-    assert len(without) >= 2
+    front, mixes = planned()
+    assert len(front) >= 2
     search = heterogeneous.search_heterogeneous
 
-    def with_baseline(*args, **kwargs):
-        kwargs["single_type"] = True
+    def every_plan(*args, **kwargs):
+        kwargs["single_type"], kwargs["every_node"] = True, False
         return search(*args, **kwargs)
 
-    monkeypatch.setattr(heterogeneous, "search_heterogeneous", with_baseline)
-    assert front() == without
+    monkeypatch.setattr(heterogeneous, "search_heterogeneous", every_plan)
+    front_all, mixes_all = planned()
+    assert front_all == front
+    assert mixes_all != mixes

@@ -321,6 +321,20 @@ def scalar_allreduce_s(
     return inside + between
 
 
+STEP_SCALARS = 2
+"""All-reduces of one number each step ends with over all of a plan's devices, each rank
+waiting for them: the gradient norm for clipping (before the optimizer) and the loss."""
+
+
+def step_collectives_s(
+    kinds: Sequence[Node], nodes: int, per_node: int, params: CostParams
+) -> float:
+    """Returns what the step's scalar all-reduces (``STEP_SCALARS`` of
+    ``scalar_allreduce_s``) add to every stage's end, a plan's devices on ``nodes`` nodes,
+    at most ``per_node`` on one, ``kinds`` one node of each GPU type among them."""
+    return STEP_SCALARS * scalar_allreduce_s(kinds, nodes, per_node, params)
+
+
 def p2p_s(
     size_bytes: float, src: Node, dst: Node, params: CostParams, concurrency: int = 1
 ) -> float:

@@ -447,9 +447,8 @@ def estimate(
             sync_s[h] = sync_s.get(h, 0.0) + t
             overlapped.setdefault(h, []).append((released, t))
             unhidden.setdefault(h, []).append((end, tail))
-    # every step all-reduces two numbers over all devices, each rank waiting for it: the
-    # gradient norm for clipping (before the optimizer) and the loss
-    scalar = 2.0 * comm.scalar_allreduce_s(*layout.spread, params)
+    # the step's scalar all-reduces over all devices (gradient norm and loss)
+    scalar = comm.step_collectives_s(*layout.spread, params)
     for st in stages:
         key2 = (st.pipeline, st.stage)
         st.grad_sync_s = sync_s.get(key2, 0.0)

@@ -722,7 +722,7 @@ class Enumeration:
             )
             if not s.first_seen(seen_key(plan, ordered=True)):
                 continue
-            if not s.constraints.allows(plan):
+            if not s.wanted(plan):
                 continue
             if s.bounds.bound_s(plan) >= s.cutoff_s:
                 continue

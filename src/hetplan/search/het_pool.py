@@ -83,6 +83,9 @@ class CandidatePool:
     ceiling_s: float = math.inf
     """Only plans faster than this are wanted (the caller has better ones): no candidate
     whose lower bound reaches it is explored, as if a plan that fast were already found."""
+    spans: int = 0
+    """Only plans with devices on at least this many nodes are queued or recorded (the
+    mixes of provisioning need only those using every node: ``explore_mixes``)."""
 
     # ---------------------------------------------------------------- knob domains
     @property
@@ -143,9 +146,16 @@ class CandidatePool:
         return out
 
     # ---------------------------------------------------------------- candidates
-    def add(self, plan: Plan, est: Estimate) -> None:
-        """Records an estimated plan (one the constraints allow)."""
+    def wanted(self, plan: Plan) -> bool:
+        """Returns whether the search may return ``plan``: the constraints allow it and it
+        spans the nodes asked for."""
         if not self.constraints.allows(plan):
+            return False
+        return self.spans <= 1 or len(plan.node_names()) >= self.spans
+
+    def add(self, plan: Plan, est: Estimate) -> None:
+        """Records an estimated plan (one the search may return: ``wanted``)."""
+        if not self.wanted(plan):
             return
         if not est.fits:
             self.min_mem = min(self.min_mem, est.max_memory_bytes)
@@ -166,7 +176,7 @@ class CandidatePool:
         """Queues a candidate that fits under its lower bound (returns the bound; inf when
         it does not fit or was seen)."""
         assert self.bounds is not None
-        if not self.constraints.allows(plan):
+        if not self.wanted(plan):
             return math.inf
         if not self.first_seen(seen_key(plan, self.order)):
             return math.inf

@@ -88,6 +88,7 @@ def search_heterogeneous(
     cache: SearchCache | None = None,
     ceiling_s: float = math.inf,
     single_type: bool = True,
+    every_node: bool = False,
 ) -> HeteroResult:
     """Returns the top-k plans on a mixed cluster, best first, with both baselines (only
     plans the constraints allow); ``progress`` is told after every estimate; ``cache``:
@@ -95,10 +96,12 @@ def search_heterogeneous(
     ``ceiling_s``: only plans faster than this are sought (the caller has better ones): the
     top-k of those, and none where the bounds prove that none is; ``single_type`` False:
     without the single-type baseline (a caller that plans every single-type configuration
-    on its own: provisioning's mixes)."""
+    on its own: provisioning's mixes); ``every_node``: only plans with a device on every
+    node of the cluster (a caller that plans every smaller configuration on its own)."""
     return search_with(model, cluster, global_batch, precision, top_k, params, flash_attention,
                        constraints=constraints, progress=progress, cache=cache,
-                       ceiling_s=ceiling_s, single_type=single_type)  # fmt: skip
+                       ceiling_s=ceiling_s, single_type=single_type,
+                       every_node=every_node)  # fmt: skip
 
 
 def search_with(
@@ -116,6 +119,7 @@ def search_with(
     cache: SearchCache | None = None,
     ceiling_s: float = math.inf,
     single_type: bool = True,
+    every_node: bool = False,
 ) -> HeteroResult:
     """Returns what ``search_heterogeneous`` does; ``prune=False`` turns off every bound
     (to check that pruning loses nothing); ``enumerate_budget=0`` skips the enumeration."""
@@ -159,6 +163,7 @@ def search_with(
     )
     state.prune = prune
     state.ceiling_s = ceiling_s
+    state.spans = len(cluster.nodes) if every_node else 0
     state.constraints = constraints
     state.progress = progress
     if cache is not None:

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field, replace
 
 from hetplan.chunk_layout import lightened_chunks
 from hetplan.cluster import Node
-from hetplan.cost.comm import p2p_s, scalar_allreduce_s
+from hetplan.cost.comm import p2p_s, step_collectives_s
 from hetplan.cost.dp_sync import (
     SyncLayout,
     grad_sync_times,
@@ -270,7 +270,7 @@ class Scorer(MemoryScorer):
         of the cycle through the later stages and back (W micro-batches in flight). Then
         the part of its gradient reduction no overlap hides (``exposed_sync_s``), its
         optimizer step and ZeRO-2's gather, and on every stage the step's all-reduces of
-        one number (``scalar_allreduce_s``). Other waits only add (left out).
+        one number (``step_collectives_s``). Other waits only add (left out).
 
         The overlap window of a gradient reduction is the stage's last backward (estimate's
         replay). Without interleaving that backward is one chunk, B plus half its transfers,
@@ -410,7 +410,7 @@ class Scorer(MemoryScorer):
             t.drain.append(b_first + lo_sends[j])
             t.tails.append(exposed + opt + gather)
             f_acc += f_first + lo_sends[j]  # its first chunk, then the transfer onward
-        t.scalar = 2.0 * scalar_allreduce_s(*lay.sync.spread, params)
+        t.scalar = step_collectives_s(*lay.sync.spread, params)
         return t
 
     def _stage(

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from hetplan.cluster import Cluster
+from hetplan.cost.comm import step_collectives_s
 from hetplan.cost.estimate_result import Estimate
 from hetplan.market import Offer
 from hetplan.plan import Plan
@@ -64,7 +65,9 @@ def mix_grid(
     """Returns the bounds of every two-offer configuration that could have a plan, the offer
     pairs, and how many configurations have none (past --max-gpus, a spot run that never
     finishes, or too little memory for the model's state: the heterogeneous search's own
-    refusal), counted by reason in ``job.impossible``. ``batch``: with the batch floor
+    refusal), counted by reason in ``job.impossible``. The bounds are of the plans using
+    every node (``explore_mixes``: the others are dominated), so they add the step's
+    scalar all-reduces across all the nodes (``spread_floor_s``). ``batch``: with the batch floor
     (``provision_batch``; False only to count what it prunes); once ``job.stop_at`` has
     passed, the pairs left get the cheap floors alone (still proven, looser: no mix is
     planned after it, so they only list the mixes left)."""
@@ -128,6 +131,7 @@ def mix_grid(
             else:
                 it_lb = iteration_floor_s(model, job.global_batch, [fa, fb],
                                           [ga[xs, 0], gb[0, ys]])  # fmt: skip
+            it_lb = it_lb + spread_floor_s(job, a, b, xs + ys + 2)  # every node used
             t_lb = iterations(job) * it_lb * slow_ok
             fin = np.isfinite(t_lb)  # a rate of zero: no plan (never for a GPU type sold)
             count_reason(job.impossible, "compute", int((~fin).sum()))
@@ -160,11 +164,16 @@ def explore_mixes(
     Nothing is left unexplored, unless ``job.stop_at`` passes (checked before each mix): the
     live mixes are then returned with their bounds.
 
-    The search leaves out its single-type baseline: a plan on one type's nodes of a mix is a
-    plan of the single-type configuration of that many nodes, whose own point (planned or
-    pruned: every count of every offer is) is at least as fast, its slowdown no larger (the
-    idle nodes' preemptions add to the rate and to the cost of each: the useful share only
-    falls) and its price lower, so it dominates the mix's."""
+    The search looks only for plans with a device on every node of the mix (its bounds,
+    ``spread_floor_s``, only for those): a plan leaving a node idle is a plan of the smaller
+    configuration of the nodes it uses (a single type, or a mix with fewer nodes), which is
+    planned, pruned or impossible (every count of every offer, and every mix, is; by
+    induction on the nodes, each smaller mix's own idle-node plans likewise). Its point there
+    is at least as fast, its slowdown no larger (the idle nodes' preemptions add to the rate
+    and to the cost of each: the useful share only falls) and its price lower, so it
+    dominates the mix's; where that configuration was pruned, a point found dominates its
+    bounds and so this plan. The search's single-type baseline is the case of a whole type
+    left idle."""
     from hetplan.search.het_cache import SearchCache
     from hetplan.search.heterogeneous import search_heterogeneous
 
@@ -210,7 +219,7 @@ def explore_mixes(
         ) -> list[tuple[Plan, Estimate]]:
             return search_heterogeneous(model, cluster, global_batch, precision, k, params,
                                         flash, job.limits, cache=cache, ceiling_s=cut,
-                                        single_type=False).ranked  # fmt: skip
+                                        single_type=False, every_node=True).ranked  # fmt: skip
 
         load = None  # on spot, the plan's own checkpoint time (its largest node's state)
         if spot:
@@ -245,15 +254,29 @@ def tighten(
             continue
         na, nb = grid.na[sel].astype(int), grid.nb[sel].astype(int)
         floors = (offer_floor(job, a), offer_floor(job, b))
+        step = spread_floor_s(job, a, b, na + nb)
         if job.spot:
             t = mix_time_floor_s(job.model, job.global_batch, iterations(job), job.terms,
-                                 (a, b), floors, na, nb)  # fmt: skip
+                                 (a, b), floors, na, nb, step)  # fmt: skip
         else:
             it = mix_iteration_floor_s(job.model, job.global_batch, floors,
                                        na * a.gpus_per_node, nb * b.gpus_per_node)  # fmt: skip
-            t = iterations(job) * it * grid.slow[sel]
+            t = iterations(job) * (it + step) * grid.slow[sel]
         grid.t_lb[sel] = np.maximum(grid.t_lb[sel], t)
         grid.c_lb[sel] = grid.t_lb[sel] / 3600 * grid.usd_hour[sel]
+
+
+def spread_floor_s(job: ProvisionJob, a: Offer, b: Offer, nodes: np.ndarray) -> np.ndarray:
+    """Returns, per count of nodes of a mix of offers ``a`` and ``b`` (an array), the least
+    time the step's scalar all-reduces take in a plan the mixes' search must consider: one
+    with a device on every node (``explore_mixes``), whose all-reduces over all its devices
+    cross every node (``comm.step_collectives_s``, the steps inside a node left out: a node
+    may hold one device). ``estimate`` adds them to the end of every stage, after everything
+    the iteration floors bound (none counts them), so they add to those floors."""
+    kinds = [a.cluster(1, job.pricing).nodes[0], b.cluster(1, job.pricing).nodes[0]]
+    counts, where = np.unique(np.asarray(nodes, dtype=int), return_inverse=True)
+    per = np.array([step_collectives_s(kinds, int(k), 1, job.params) for k in counts])
+    return np.asarray(per[where].reshape(np.shape(nodes)), dtype=float)
 
 
 def unexplored_of(grid: MixGrid, pairs: list[tuple[Offer, Offer]], q: int) -> Unexplored:

@@ -78,10 +78,13 @@ def mix_time_floor_s(
     floors: tuple[TypeFloor, TypeFloor],
     na: np.ndarray,
     nb: np.ndarray,
+    step_s: np.ndarray | float = 0.0,
 ) -> np.ndarray:
     """Returns the lower bound of the time to train of ``na`` nodes of ``offers[0]`` with
     ``nb`` of ``offers[1]`` (arrays of equal length) on spot, over the fewest stages of any
-    pipeline (module docstring); ``iterations`` the run's iteration count."""
+    pipeline (module docstring); ``iterations`` the run's iteration count; ``step_s``: what
+    every plan bounded adds to each iteration beyond the iteration floors
+    (``provision_mixes.spread_floor_s``)."""
     a, b = offers
     la = np.array([offer_load(a, int(n), terms) for n in na]).reshape(-1, 2)
     lb = np.array([offer_load(b, int(n), terms) for n in nb]).reshape(-1, 2)
@@ -94,5 +97,5 @@ def mix_time_floor_s(
         # p* in [g, next): C's floor at next - 1 stages; past the last, any count of stages
         upper = grid[k + 1] - 1 if k + 1 < len(grid) else None
         slow = slowdowns(*load, terms, checkpoint_floor_s(model, na + nb, upper), True)
-        best = np.minimum(best, iterations * it * slow)
+        best = np.minimum(best, iterations * (it + step_s) * slow)
     return best
