@@ -16,7 +16,6 @@ from hetplan.cost.estimate import estimate
 from hetplan.cost.params import default_params
 from hetplan.errors import InputError
 from hetplan.model import ModelSpec, load_model
-from hetplan.plan import validate_plan
 from hetplan.search.constraints import (
     PlanConstraints,
     constraints_from_options,
@@ -171,17 +170,7 @@ def test_heterogeneous_best_under_a_constraint_is_the_exhaustive_filtered_best(
     model = ModelSpec("tiny", "gpt", layers, hidden, 16, 16, 4 * hidden, 32000, seq)
     cluster = parse_inline_cluster(spec)
     params = default_params()
-    best = float("inf")
-    for plan in ex.plans(model, cluster, batch, "fp16"):
-        if not holds(plan):
-            continue
-        try:
-            validate_plan(plan, model, cluster)
-        except InputError:
-            continue
-        est = estimate(plan, model, cluster, params, validate=False)
-        if est.fits:
-            best = min(best, est.iteration_time_s)
+    best = ex.exhaustive(model, cluster, batch, "fp16", params, keep=holds).time_s
     assert best < float("inf")
     free = search_heterogeneous(model, cluster, batch, "fp16", 1, params)
     assert not holds(free.ranked[0][0]), "the constraint must rule out the free best"

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import pytest
@@ -70,11 +71,18 @@ def _groups(cluster: Cluster, gpu: str, tp: int) -> list[tuple[str, ...]]:
 
 
 def exhaustive(
-    model: ModelSpec, cluster: Cluster, batch: int, precision: str, params: CostParams
+    model: ModelSpec,
+    cluster: Cluster,
+    batch: int,
+    precision: str,
+    params: CostParams,
+    keep: Callable[[Plan], bool] | None = None,
 ) -> Best:
-    """Returns the best plan of the space by estimate()."""
+    """Returns the best plan of the space by estimate() (of those ``keep`` accepts)."""
     best = Best()
     for plan in plans(model, cluster, batch, precision):
+        if keep is not None and not keep(plan):
+            continue
         try:
             validate_plan(plan, model, cluster)
         except InputError:

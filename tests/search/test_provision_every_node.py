@@ -14,17 +14,15 @@ import pytest
 from hetplan.cluster import Cluster, parse_inline_cluster
 from hetplan.cost.estimate import estimate
 from hetplan.cost.params import default_params
-from hetplan.errors import InputError
 from hetplan.market import market_from_dict
 from hetplan.model import ModelSpec, load_model
-from hetplan.plan import validate_plan
 from hetplan.search import provision_mixes as mixes_mod
 from hetplan.search import provision_points as pts
 from hetplan.search.heterogeneous import search_heterogeneous
 from hetplan.search.provision_stages import mix_iteration_floor_s
 from hetplan.search.spot import SpotTerms
 
-from .test_het_exhaustive import TOL, plans
+from .test_het_exhaustive import TOL, exhaustive
 
 ONE_GPU_NODES = {"offers": [
     {"gpu": "L4", "gpus_per_node": 1, "max_nodes": 4, "on_demand_usd_per_gpu_hour": 0.8,
@@ -74,23 +72,6 @@ def test_spread_floor_is_what_estimate_charges_a_plan_on_one_gpu_nodes():
         assert it + step <= est.iteration_time_s * (1 + 1e-12)
 
 
-def _exhaustive_every_node(model, cluster, batch, params):
-    """The best plan of the exhaustive enumeration with a device on every node."""
-    best_s, best = float("inf"), None
-    nodes = {n.name for n in cluster.nodes}
-    for plan in plans(model, cluster, batch, "fp16"):
-        if plan.node_names() != nodes:
-            continue
-        try:
-            validate_plan(plan, model, cluster)
-        except InputError:
-            continue
-        est = estimate(plan, model, cluster, params, validate=False)
-        if est.fits and est.iteration_time_s < best_s:
-            best_s, best = est.iteration_time_s, plan
-    return best_s, best
-
-
 @pytest.mark.parametrize(("layers", "hidden", "seq", "spec", "batch"), [
     (4, 4096, 1024, "L4:2x1,V100-32GB:1x1", 4),
     (3, 2048, 2048, "V100-32GB:2x1,T4:1x1", 8),
@@ -105,14 +86,17 @@ def test_every_node_search_is_the_exhaustive_best_of_plans_using_every_node(
     model = ModelSpec("tiny", "gpt", layers, hidden, 16, 16, 4 * hidden, 32000, seq)
     cluster = parse_inline_cluster(spec)
     params = default_params()
-    want_s, want = _exhaustive_every_node(model, cluster, batch, params)
-    assert want is not None
+    nodes = {n.name for n in cluster.nodes}
+    want = exhaustive(model, cluster, batch, "fp16", params, keep=lambda p: p.node_names() == nodes)
+    assert want.plan is not None
     res = search_heterogeneous(model, cluster, batch, "fp16", 3, params, every_node=True)
     assert res.proven, res.notes
     for plan, _ in res.ranked:
-        assert plan.node_names() == {n.name for n in cluster.nodes}
+        assert plan.node_names() == nodes
     got = estimate(res.ranked[0][0], model, cluster, params)
-    assert got.fits and got.iteration_time_s <= want_s * (1 + TOL), (res.ranked[0][0], want)
+    assert got.fits and got.iteration_time_s <= want.time_s * (1 + TOL), (res.ranked[0][0], want)
+    # and it is one of the plans using every node, so it cannot beat their best either
+    assert got.iteration_time_s >= want.time_s * (1 - TOL)
     free = search_heterogeneous(model, cluster, batch, "fp16", 1, params).ranked[0]
     if len(free[0].node_names()) < len(cluster.nodes):
         assert free[1].iteration_time_s < got.iteration_time_s
