@@ -230,7 +230,7 @@ def run_rank(argv: list[str]) -> None:
     the outcome, then ends the process with ``os._exit``: no interpreter teardown)."""
     from hetplan.runtime.worker import run  # preloaded in the server: no import here
 
-    apply_thread_count()
+    prepare_rank()
     run(argv)
 
 
@@ -238,8 +238,31 @@ def run_spmd_rank(argv: list[str]) -> None:
     """One forked rank of ``hetplan spmd run`` (``spmd.launch.run``), as ``run_rank``."""
     from hetplan.spmd.launch import run  # preloaded in the server
 
-    apply_thread_count()
+    prepare_rank()
     run(argv)
+
+
+def prepare_rank() -> None:
+    """Readies a forked rank before its run: its thread count (``apply_thread_count``) and
+    tqdm's lock (``thread_lock_for_tqdm``)."""
+    apply_thread_count()
+    thread_lock_for_tqdm()
+
+
+def thread_lock_for_tqdm() -> None:
+    """Gives tqdm a thread lock where it has none yet. torch.fx's ``Interpreter.run`` (the
+    SPMD capture) builds a progress bar, disabled or not, and tqdm's first bar makes its
+    global lock with a ``multiprocessing.RLock``: a named semaphore, which a rank forked
+    from the server registers with the resource tracker it shares with the launching
+    process. A rank stopped mid-run (a peer failed) never unregisters it, and the tracker
+    then printed "leaked semaphore objects" after the run's one-line cause. A rank draws
+    no bars beside other processes', so a thread lock serves it."""
+    try:
+        from tqdm import tqdm
+    except ImportError:  # torch falls back to its own stand-in, which takes no lock
+        return
+    if "_lock" not in vars(tqdm):
+        tqdm.set_lock(threading.RLock())
 
 
 def apply_thread_count() -> None:
