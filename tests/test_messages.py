@@ -198,3 +198,42 @@ def test_a_generic_runs_row_error_names_its_column_and_line(tmp_path, change, co
         load_runs(runs)
     assert err.value.field == column, err.value
     assert err.value.reason.startswith("r.csv line 2: ") and words in err.value.reason, err.value
+
+
+@pytest.mark.parametrize(
+    ("text", "where"),
+    [
+        # a flow list never closed: the parser meets the end of the file on line 2
+        ("[1, 2\n", "line 2, column 1: expected ',' or ']', but got '<stream end>'"),
+        # a tab indents line 2 (YAML allows only spaces): found at its first column
+        ("nodes:\n\t- gpu: T4\n", "line 2, column 1: found character '\\t' that cannot "
+         "start any token"),
+    ],
+)  # fmt: skip
+def test_a_file_that_is_not_yaml_is_one_line_with_where_and_what(tmp_path, text, where):
+    """Every file read as YAML (cluster, market, runs manifest) says where the parser stopped
+    and what it met, on one line: the runs manifest printed PyYAML's seven-line text with
+    the file quoted, the market neither where nor what."""
+    from pathlib import Path
+
+    from hetplan.cluster import load_cluster
+    from hetplan.cost.runs import load_runs
+    from hetplan.market import load_market
+
+    path = tmp_path / "in.yaml"
+    path.write_text(text)
+    cases = [
+        (lambda: load_cluster(str(path)), f"--cluster: {path} is not valid YAML: {where}"),
+        (lambda: load_market(str(path)), f"--market: {path} is not valid YAML: {where}"),
+        (lambda: load_runs(Path(path)), f"--runs: in.yaml is not valid YAML: {where}"),
+    ]
+    for load, want in cases:
+        with pytest.raises(InputError) as exc:
+            load()
+        assert str(exc.value) == want
+    res = subprocess.run(
+        [sys.executable, "-m", "hetplan", "calibrate", "--runs", str(path)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert res.returncode == 2
+    assert res.stderr.splitlines() == [f"error: --runs: in.yaml is not valid YAML: {where}"]

@@ -13,7 +13,7 @@ from typing import Any
 import yaml
 
 from hetplan.cost.money import OWNERSHIP_KEYS, Ownership, ownership
-from hetplan.errors import InputError, shown
+from hetplan.errors import InputError, invalid_yaml, shown
 from hetplan.hardware import GPUType, get_gpu, gpu_from_mapping
 from hetplan.units import parse_bandwidth_bytes_per_s
 
@@ -318,9 +318,7 @@ def load_cluster(spec: str, option: str = "--cluster") -> Cluster:
             except OSError as exc:
                 raise InputError(option, f"cannot read {spec}: {exc.strerror}") from None
             except yaml.YAMLError as exc:
-                mark = getattr(exc, "problem_mark", None)
-                where = f" at line {mark.line + 1}" if mark is not None else ""
-                raise InputError(option, f"{spec} is not valid YAML{where}") from None
+                raise InputError(option, invalid_yaml(spec, exc)) from None
             return cluster_from_dict(data)
         return parse_inline_cluster(spec)
     except InputError as exc:

@@ -26,3 +26,18 @@ def shown(value: object) -> str:
     if isinstance(value, dict):
         return "{" + ", ".join(f"{k}: {shown(v)}" for k, v in value.items()) + "}"
     return str(value)
+
+
+def invalid_yaml(name: object, exc: Exception) -> str:
+    """Returns the reason a file ``name`` did not parse as YAML, on one line: where (the
+    1-based line and column the parser stopped at) and what it met, e.g. "x.yaml is not
+    valid YAML: line 2, column 1: expected ',' or ']', but got '<stream end>'" (PyYAML's
+    own text spans several lines and quotes the file)."""
+    mark = getattr(exc, "problem_mark", None)
+    problem = getattr(exc, "problem", None)
+    parts = [f"{name} is not valid YAML"]
+    if mark is not None:
+        parts.append(f"line {mark.line + 1}, column {mark.column + 1}")
+    if problem:
+        parts.append(" ".join(str(problem).split()))
+    return ": ".join(parts)

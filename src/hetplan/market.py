@@ -13,7 +13,7 @@ import yaml
 
 from hetplan.cluster import Cluster, Node, check_node_name
 from hetplan.cost.money import OWNERSHIP_KEYS, Ownership, check_figure, ownership
-from hetplan.errors import InputError, shown
+from hetplan.errors import InputError, invalid_yaml, shown
 from hetplan.hardware import GPUType, get_gpu
 from hetplan.units import parse_bandwidth_bytes_per_s, parse_duration_s
 
@@ -230,6 +230,6 @@ def load_market(path: str | None) -> Market:
             raise InputError("--market", f"cannot read {path}: {exc.strerror}") from None
     try:
         data = yaml.safe_load(text)
-    except yaml.YAMLError:
-        raise InputError("--market", f"{path} is not valid YAML") from None
+    except yaml.YAMLError as exc:
+        raise InputError("--market", invalid_yaml(path, exc)) from None
     return market_from_dict(data)

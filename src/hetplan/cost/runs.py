@@ -13,7 +13,7 @@ from typing import Any
 
 from hetplan.cluster import Cluster, cluster_from_dict
 from hetplan.cost.estimate_result import Estimate
-from hetplan.errors import InputError, shown
+from hetplan.errors import InputError, invalid_yaml, shown
 from hetplan.model import ModelSpec
 from hetplan.plan import Pipeline, Plan, Stage
 from hetplan.search.layout import uniform_plan
@@ -335,7 +335,7 @@ def _manifest_runs(path: Path) -> list[Run]:
     except OSError as exc:
         raise InputError("--runs", f"cannot read {path}: {exc.strerror}") from None
     except yaml.YAMLError as exc:
-        raise InputError("--runs", f"{path.name} is not valid YAML: {exc}") from None
+        raise InputError("--runs", invalid_yaml(path.name, exc)) from None
     items = data.get("runs") if isinstance(data, dict) else None
     if not isinstance(items, list) or not items:
         raise InputError("runs", f"{path.name}: expected a non-empty list under 'runs'")
