@@ -90,3 +90,15 @@ def test_help_agrees_with_the_command_objects() -> None:
     assert res.returncode == 0, res.stderr
     printed = set(re.findall(r"(?<![\w-])(--?[a-z][a-z0-9-]*)", res.stdout))
     assert TOOL.option_names(COMMANDS["plan"]) <= printed | {"--help"}
+
+
+def test_help_texts_have_no_source_markup() -> None:
+    """A command's description and its options' help print as a person reads them: no
+    reStructuredText literal (``x``), which --help printed as written (launch's)."""
+    marked = {
+        name: text
+        for name, cmd in COMMANDS.items()
+        for text in [cmd.help or ""] + [getattr(p, "help", None) or "" for p in cmd.params]
+        if "``" in text
+    }
+    assert marked == {}

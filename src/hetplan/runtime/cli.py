@@ -127,7 +127,7 @@ def launch(
 ) -> None:
     """Train a real model under the plan with torchrun (one machine) or print per-node commands.
 
-    The plan options given explicitly override the plan file's fields, as in ``predict``."""
+    The plan options given explicitly override the plan file's fields, as in `predict`."""
     from hetplan.runtime.launch import (
         check_host_memory,
         format_command,
@@ -468,7 +468,7 @@ def data_convert(
     ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
-    """Convert text to a token file for ``launch --data`` (flat little-endian ids)."""
+    """Convert text to a token file for `launch --data` (flat little-endian ids)."""
     from hetplan.runtime.data_convert import convert_text
 
     summary = convert_text(text, out, tokenizer)
