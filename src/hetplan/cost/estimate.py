@@ -433,17 +433,21 @@ def estimate(
                                       strict=True):  # fmt: skip
         if len(holders) <= 1:
             continue
-        ends = [replays[r].last_backward_end_s[j] for r, j in holders]
+        # a repeated pipeline's stages are its first copy's (``pipe_class``: the same row,
+        # replay and TP degrees), and only the first copies' stages are read below: the
+        # times, the least overlap and TP over them are those over every holder
+        own = [(r, j) for r, j in holders if pipe_class[r] == r]
+        ends = [replays[r].last_backward_end_s[j] for r, j in own]
         end = max(ends)
-        share = min(params.gpu(by_pipe[r][j].gpu).grad_overlap for r, j in holders)
-        tp_min = min(plan.pipelines[r].stages[j].tp for r, j in holders)
+        share = min(params.gpu(by_pipe[r][j].gpu).grad_overlap for r, j in own)
+        tp_min = min(len(plan.pipelines[r].stages[j].devices) for r, j in own)
         buckets = bucket_count(n_params / tp_min, len(holders))
         # (without overlap the tail is the whole reduction after the end, which bounds this)
         released = first_bucket_ready_s(
-            [replays[r].grads_ready_from_s[j] for r, j in holders], ends, buckets
+            [replays[r].grads_ready_from_s[j] for r, j in own], ends, buckets
         )
         tail = unhidden_sync_s(t, share, plan.overlap_grad_reduce, buckets)
-        for h in holders:
+        for h in own:
             sync_s[h] = sync_s.get(h, 0.0) + t
             overlapped.setdefault(h, []).append((released, t))
             unhidden.setdefault(h, []).append((end, tail))
@@ -480,7 +484,7 @@ def estimate(
         "microbatch_overhead_s": n_mb * crit.overhead_s,
     }
     tokens = plan.global_batch_size * model.seq
-    n_gpus = sum(st.tp for pipe in plan.pipelines for st in pipe.stages)
+    n_gpus = sum(len(st.devices) for pipe in plan.pipelines for st in pipe.stages)
     model_flops = plan.global_batch_size * model.model_flops_per_sequence()
     if plan.recompute == "full":
         extra = plan.global_batch_size * model.layers * model.layer_flops()

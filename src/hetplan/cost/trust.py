@@ -25,12 +25,13 @@ measurements of one run)."""
 
 def plan_regime(plan: Plan) -> dict[str, Any]:
     """Returns the regime of a plan: its largest TP and PP, ZeRO stage, precision, GPUs."""
+    tps = [len(s.devices) for p in plan.pipelines for s in p.stages]  # each stage's TP
     return {
-        "tp": max(s.tp for p in plan.pipelines for s in p.stages),
+        "tp": max(tps),
         "pp": max(len(p.stages) for p in plan.pipelines),
         "zero": plan.zero_stage,
         "precision": plan.precision,
-        "gpus": sum(s.tp for p in plan.pipelines for s in p.stages),
+        "gpus": sum(tps),
     }
 
 
