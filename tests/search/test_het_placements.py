@@ -141,3 +141,49 @@ def test_kept_placements_are_those_of_each_selection(monkeypatch):
     assert res.ranked
     assert seen["calls"] > 20
     assert seen["other"] > seen["calls"] / 2
+
+
+def test_placed_bounds_kept_by_segment_floors_are_each_placements_own(monkeypatch):
+    """The enumeration keeps a placed selection's bound by its segments' reduction floors
+    (``Enumeration._placed_bound_s``: placements moving holders between alike nodes share
+    it). In a search of GPT-2 on three A100 nodes of 4 and a T4 node of 2, every placement's
+    kept bound equals the bound computed afresh from its plan's own floors
+    (``dp_sync.placed_reduction_floors``, the path ``PlanBounds`` takes), and most bounds
+    come from the memo."""
+    from hetplan.cluster import Cluster
+    from hetplan.cost.dp_sync import placed_reduction_floors
+    from hetplan.model import load_model
+    from hetplan.search import het_enumeration
+    from hetplan.search.heterogeneous import search_with
+
+    from .conftest import one_offer
+
+    model = load_model("gpt2")
+    seen = {"calls": 0, "kept": 0}
+    kept_bound = het_enumeration.Enumeration._placed_bound_s
+
+    def checked(self, sel, shards, kind, layout, segments):
+        before = len(self._placed)
+        got = kept_bound(self, sel, shards, kind, layout, segments)
+        seen["calls"] += 1
+        seen["kept"] += len(self._placed) == before
+        k = self.knobs
+        pipes = [
+            Pipeline(m * k.micro_batch,
+                     tuple(Stage(x, layout[(r, j)]) for j, x in enumerate(self.pipes[i].layers)))
+            for r, (i, m) in enumerate(sel)
+        ]  # fmt: skip
+        plan = Plan(self.s.global_batch, k.micro_batch, tuple(pipes), precision=k.precision,
+                    zero_stage=1, schedule=k.schedule, virtual_stages=k.virtual_stages)  # fmt: skip
+        floors = placed_reduction_floors(plan, model, self.s.bounds.node, self.s.params)
+        want = self.selection_bound_s(sel, shards, kind, floors)
+        assert got == pytest.approx(want, rel=1e-12, abs=0)
+        return got
+
+    monkeypatch.setattr(het_enumeration.Enumeration, "_placed_bound_s", checked)
+    a, t4 = one_offer("A100-80GB", 4, 3), one_offer("T4", 2, 1)
+    cluster = Cluster(a.cluster(3).nodes + t4.cluster(1).nodes)
+    res = search_with(model, cluster, 16, "fp16")
+    assert res.ranked
+    assert seen["calls"] > 10_000
+    assert seen["kept"] > seen["calls"] / 2

@@ -206,6 +206,8 @@ class Enumeration:
         self._spread: dict[tuple[int, ...], float] = {}
         self._groups: dict[tuple[str, ...], float] = {}
         """``group_floor_s_per_byte`` by its members' node names (in order)."""
+        self._placed: dict[tuple[object, ...], float] = {}
+        """``_placed_bound_s`` by selection, shards, reduction kind and segments' floors."""
         self._tailed: dict[tuple[object, ...], float] = {}
         """``tailed_bound_s`` of a pipeline by its micro-batches, shards, reduction kind,
         pipeline count and its stages' placed floors (placements repeat them)."""
@@ -350,23 +352,39 @@ class Enumeration:
 
         return holder_floors(self._segments(sel), by_class)
 
-    def _placed_floors(
-        self, sel: tuple[tuple[int, int], ...], layout: dict[Slot, tuple[str, ...]]
-    ) -> dict[Slot, float]:
-        """Returns ``dp_sync.placed_reduction_floors`` of the selection placed so: per
-        segment, ``comm.group_floor_s_per_byte`` of its holders' first devices' nodes."""
+    def _placed_bound_s(
+        self,
+        sel: tuple[tuple[int, int], ...],
+        shards: int,
+        kind: tuple[float, bool],
+        layout: dict[Slot, tuple[str, ...]],
+        segments: list[tuple[float, list[Slot]]],
+    ) -> float:
+        """Returns ``selection_bound_s`` of the selection placed so, with the reductions'
+        floors of ``dp_sync.placed_reduction_floors``: per segment (``segments``: the
+        selection's ``_segments``), ``comm.group_floor_s_per_byte`` of its holders' first
+        devices' nodes. A stage's floor is the sum of its segments' (``holder_floors``), so
+        the bound is kept by the segments' floors: placements that move holders between
+        alike nodes share it."""
         node = self.s.bounds.node  # type: ignore[union-attr]
         memo = self._groups
         at = {h: node(devices[0]) for h, devices in layout.items()}
-
-        def first_devices(holders: Sequence[Slot]) -> float:
-            key = tuple(at[h].name for h in holders)
-            hit = memo.get(key)
-            if hit is None:
-                hit = memo[key] = group_floor_s_per_byte([at[h] for h in holders], self.s.params)
-            return hit
-
-        return holder_floors(self._segments(sel), first_devices)
+        per_byte = []
+        for _, holders in segments:
+            names = tuple(at[h].name for h in holders)
+            f = memo.get(names)
+            if f is None:
+                f = memo[names] = group_floor_s_per_byte([at[h] for h in holders], self.s.params)
+            per_byte.append(f)
+        key = (sel, shards, kind, tuple(per_byte))
+        hit = self._placed.get(key)
+        if hit is None:
+            of = {id(holders): f for (_, holders), f in zip(segments, per_byte, strict=True)}
+            floors = holder_floors(segments, lambda holders: of[id(holders)])
+            if len(self._placed) >= 65536:
+                self._placed.clear()
+            hit = self._placed[key] = self.selection_bound_s(sel, shards, kind, floors)
+        return hit
 
     def spread_bound_s(self, sel: tuple[tuple[int, int], ...], z: int) -> float:
         """Returns ``selection_bound_s`` of the selection under ZeRO stage ``z`` with its
@@ -387,7 +405,7 @@ class Enumeration:
         (``kind``: ``reduction_kind``'s; None: none) among the selection's pipelines, at
         ``het_bounds.stage_reduction_floors`` with ``floors`` per stage (per byte an
         all-reduce moves per parameter: ``_spread_floors`` for every placement,
-        ``_placed_floors`` for one), as ``PlanBounds`` charges them."""
+        ``_placed_bound_s`` for one), as ``PlanBounds`` charges them."""
         if kind is None:
             return max(self.pipe_bound_s(i, m, shards) for i, m in sel)
         s, d = self.s, len(sel)
@@ -693,13 +711,16 @@ class Enumeration:
         seqs = [self.pipes[i].classes for i, _ in sel]
         shards = len(sel) if z else 1
         kind = self._kind(sel, z)
+        segments = self._segments(sel)
         for layout in self._layouts(seqs, sel):  # copies: same (pipe, m)
             if not self.work.spend(PLACE_UNITS):
                 return False
-            if kind is not None:  # its own reductions first, before any plan is built
-                floors = self._placed_floors(sel, layout)
-                if self.selection_bound_s(sel, shards, kind, floors) >= s.cutoff_s:
-                    continue
+            # its own reductions first, before any plan is built
+            if (
+                kind is not None
+                and self._placed_bound_s(sel, shards, kind, layout, segments) >= s.cutoff_s
+            ):
+                continue
             pipelines = []
             for r, (i, m) in enumerate(sel):
                 pipe = self.pipes[i]
