@@ -440,7 +440,7 @@ def estimate(
         ends = [replays[r].last_backward_end_s[j] for r, j in own]
         end = max(ends)
         share = min(params.gpu(by_pipe[r][j].gpu).grad_overlap for r, j in own)
-        tp_min = min(len(plan.pipelines[r].stages[j].devices) for r, j in own)
+        tp_min = min(plan.pipelines[r].stages[j].tp for r, j in own)
         buckets = bucket_count(n_params / tp_min, len(holders))
         # (without overlap the tail is the whole reduction after the end, which bounds this)
         released = first_bucket_ready_s(
@@ -484,7 +484,7 @@ def estimate(
         "microbatch_overhead_s": n_mb * crit.overhead_s,
     }
     tokens = plan.global_batch_size * model.seq
-    n_gpus = sum(len(st.devices) for pipe in plan.pipelines for st in pipe.stages)
+    n_gpus = len(plan.devices())
     model_flops = plan.global_batch_size * model.model_flops_per_sequence()
     if plan.recompute == "full":
         extra = plan.global_batch_size * model.layers * model.layer_flops()

@@ -25,13 +25,12 @@ measurements of one run)."""
 
 def plan_regime(plan: Plan) -> dict[str, Any]:
     """Returns the regime of a plan: its largest TP and PP, ZeRO stage, precision, GPUs."""
-    tps = [len(s.devices) for p in plan.pipelines for s in p.stages]  # each stage's TP
     return {
-        "tp": max(tps),
+        "tp": max(s.tp for p in plan.pipelines for s in p.stages),
         "pp": max(len(p.stages) for p in plan.pipelines),
         "zero": plan.zero_stage,
         "precision": plan.precision,
-        "gpus": sum(tps),
+        "gpus": len(plan.devices()),
     }
 
 
