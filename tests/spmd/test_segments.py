@@ -137,3 +137,36 @@ def test_memory_limit_falls_back_to_astar() -> None:
     res = search(space)
     assert space.fits(res.rep_bytes, res.shard_bytes)
     assert res.cost_s > free.cost_s
+
+
+def test_states_list_live_tensors_in_production_order_once() -> None:
+    # Every state reachable on a two-layer BERT, position by position, two ways: through
+    # ``successors`` (which keeps a state's tensors in the order they were produced, with
+    # no sort), and by hand from each step's updates (dead tensors dropped, then sorted by
+    # name: one canonical form per content). The same contents
+    # at every position, each exactly once, with the same least cost.
+    space = Space(_bert(layers=2), uniform_link_devices([1e9, 2e9]), [0.4, 0.6])
+    position = {node.name: i for i, node in enumerate(space.nodes)}
+    ours: dict[tuple, float] = {(): 0.0}
+    theirs: dict[tuple, float] = {(): 0.0}
+    for i in range(len(space.nodes)):
+        nxt: dict[tuple, float] = {}
+        for state, g in ours.items():
+            pairs = space.successors(i, state)
+            assert [s for s, _ in pairs] == space.steps(i, dict(state))
+            for step, new in pairs:
+                assert new == space.advance(i, state, step)
+                assert [position[t] for t, _ in new] == sorted(position[t] for t, _ in new)
+                nxt[new] = min(nxt.get(new, math.inf), g + step.cost_s)
+        ref: dict[tuple, float] = {}
+        for state, g in theirs.items():
+            for step in space.steps(i, dict(state)):
+                live = dict(state) | dict(step.updates)
+                new = tuple(sorted((t, ls) for t, ls in live.items() if space.last_use[t] > i))
+                ref[new] = min(ref.get(new, math.inf), g + step.cost_s)
+        ours, theirs = nxt, ref
+        assert len(ours) == len(theirs)
+        assert {frozenset(s): g for s, g in ours.items()} == {
+            frozenset(s): g for s, g in theirs.items()
+        }
+    assert min(ours.values()) == pytest.approx(segment_search(space).cost_s, abs=1e-12)

@@ -26,7 +26,7 @@ from typing import Any
 from hetplan.spmd.layout import Layout
 from hetplan.spmd.program import Instr
 from hetplan.spmd.search import SearchResult
-from hetplan.spmd.space import Space, State, Step
+from hetplan.spmd.space import Space, State
 
 Entry = frozenset[Layout] | None
 """The layouts of the single live tensor at a cut (None: no tensor is live)."""
@@ -116,10 +116,8 @@ def _enumerate(space: Space, seg: Segment, entry: Entry) -> tuple[Table, int]:
         nxt: dict[State, tuple[float, float, float, Path]] = {}
         for state, (g, rep, shd, path) in layer.items():
             count += 1
-            steps: list[Step] = sp.steps(i, dict(state))
-            for step in steps:
+            for step, ns in sp.successors(i, state):
                 ng = g + step.cost_s
-                ns = sp.advance(i, state, step)
                 cur = nxt.get(ns)
                 if cur is None or ng < cur[0]:
                     nxt[ns] = (

@@ -11,6 +11,7 @@ rule needs replicated is either stored replicated (gradient all-reduce) or ZeRO-
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -34,6 +35,9 @@ from hetplan.spmd.rules import (
 from hetplan.spmd.work import op_work, sharded_letter
 
 State = tuple[tuple[str, frozenset[Layout]], ...]
+"""The live tensors with their layouts, in the order the search produced them (one state,
+one tuple: a step updates the layouts of tensors already live, where they are, and adds
+only its own node's tensor, which comes last)."""
 SOURCES = ("input", "param", "const")
 Variant = tuple[list[Instr], float, float]
 
@@ -45,6 +49,8 @@ class Step:
     instrs: tuple[Instr, ...]
     cost_s: float
     updates: tuple[tuple[str, frozenset[Layout]], ...]
+    """The layouts tensors are available in after the step (as ``Space.steps`` returns it:
+    only tensors used after the node)."""
     rep_bytes: float
     shard_bytes: float
 
@@ -247,9 +253,28 @@ class Space(Converter):
         key = (i, tuple(avail.get(t, frozenset()) for t in node.inputs))
         hit = self._memo.get(key)
         if hit is None:
-            hit = [s for r in self.rules[i] for s in self._steps(i, r, avail)]
+            last = self.last_use
+            hit = [
+                s
+                if all(last[t] > i for t, _ in s.updates)
+                else dataclasses.replace(s, updates=tuple(u for u in s.updates if last[u[0]] > i))
+                for r in self.rules[i]
+                for s in self._steps(i, r, avail)
+            ]
             self._memo[key] = hit
         return hit
+
+    def successors(self, i: int, state: State) -> list[tuple[Step, State]]:
+        """Returns every step from ``state`` at node ``i`` (``steps``) with the state after
+        it (``advance``), the tensors that stay live read once for all of them."""
+        last = self.last_use
+        kept = {t: ls for t, ls in state if last[t] > i}
+        out = []
+        for step in self.steps(i, dict(state)):
+            live = kept.copy()
+            live.update(step.updates)
+            out.append((step, tuple(live.items())))
+        return out
 
     def _resolve(
         self, node: GNode, rule: Rule, avail: dict[str, frozenset[Layout]]
@@ -450,7 +475,9 @@ class Space(Converter):
         return self.h_suffix[i] + sum(self._lower_conv(t, have, i) for t, have in state)
 
     def advance(self, i: int, state: State, step: Step) -> State:
-        """Returns the state after ``step`` at node ``i``, dropping dead tensors."""
-        avail = dict(state)
-        avail.update(step.updates)
-        return tuple(sorted((t, ls) for t, ls in avail.items() if self.last_use[t] > i))
+        """Returns the state after ``step`` at node ``i``, dropping dead tensors (the step's
+        own updates hold only tensors used after node ``i``: ``steps``)."""
+        last = self.last_use
+        live = {t: ls for t, ls in state if last[t] > i}
+        live.update(step.updates)
+        return tuple(live.items())
