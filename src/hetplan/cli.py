@@ -13,6 +13,7 @@ import typer
 from rich.markup import escape
 from typer.main import get_command_name
 
+from hetplan.collector import pace_collector
 from hetplan.commands import calibrate, export, planning, provision
 from hetplan.commands.common import err, out
 from hetplan.errors import InputError
@@ -93,6 +94,7 @@ def _app_for(argv: list[str]) -> typer.Typer:
 def main() -> None:
     """Runs the CLI; bad input ends with one line naming the field and exit code 2."""
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    pace_collector()
     try:
         # without standalone mode click returns a command's typer.Exit code instead of
         # exiting with it: a failed run must not end with 0
