@@ -101,3 +101,20 @@ def test_xdist_groups_run_on_one_worker(tmp_path):
     assert res.returncode == 0, res.stdout[-2000:]
     workers = log.read_text().split()
     assert len(workers) == 6 and len(set(workers)) == 1, workers
+
+
+def test_slow_tests_are_collected_first():
+    """``tests/conftest.py`` hands the tests marked slow out first: the README's tour,
+    collected after ``test_collector.py`` by name, is collected before it."""
+    tour = "tests/test_readme_tour.py::test_readme_tour_runs_in_order"
+    quick = "tests/test_collector.py::test_the_command_line_paces_the_collector"
+    res = subprocess.run(
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+         "-o", "addopts=--import-mode=importlib", "tests/test_collector.py",
+         "tests/test_readme_tour.py"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert res.returncode == 0, res.stdout[-2000:]
+    ids = [line for line in res.stdout.splitlines() if "::" in line]
+    assert tour in ids and quick in ids
+    assert ids.index(tour) < ids.index(quick)

@@ -116,6 +116,7 @@ def test_the_readme_has_a_tour() -> None:
 
 
 @pytest.mark.skipif(not (BIN / "hetplan").exists(), reason="the hetplan script is not installed")
+@pytest.mark.slow
 def test_readme_tour_runs_in_order(tour_dir: Path) -> None:
     """Every runnable block, in the README's order, in one folder: later blocks read what
     earlier ones wrote (``plan.json``, profiles). One test, so no scheduler can run a block

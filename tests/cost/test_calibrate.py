@@ -101,6 +101,7 @@ def test_heterogeneous_plan_files_fit_both_gpu_types_jointly(tmp_path):
             )
 
 
+@pytest.mark.slow
 def test_leave_one_out_is_cold():
     # one row measured 40% slower than the physics that made the others: in the fit it pulls
     # the terms towards itself; held out, its prediction knows nothing of it

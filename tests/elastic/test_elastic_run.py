@@ -41,6 +41,7 @@ def _latest(root: Path) -> int:
 
 
 @pytest.mark.distributed
+@pytest.mark.slow
 def test_kill_a_worker_resumes_on_the_rest(elastic_inputs: dict[str, Path], tmp_path: Path) -> None:
     # two one-stage replicas and one of two stages: losing n3 leaves n2 holding half the
     # model, which the replan (three one-stage replicas, 3/3/2 micro-batches, faster than

@@ -230,6 +230,7 @@ def _launch(plan: Path, ckpt: Path, data: Path, cluster: Path) -> subprocess.Com
 
 
 @pytest.mark.distributed
+@pytest.mark.slow
 def test_gpt2_checkpoint_two_stages_matches_numpy(
     tmp_path: Path, inputs: dict[str, Path], write_plan: Any
 ) -> None:
@@ -255,6 +256,7 @@ def test_gpt2_checkpoint_two_stages_matches_numpy(
 
 
 @pytest.mark.distributed
+@pytest.mark.slow
 def test_sharded_llama_checkpoint_tp2_matches_numpy(
     tmp_path: Path, inputs: dict[str, Path], write_plan: Any
 ) -> None:

@@ -146,6 +146,7 @@ def _workers(parent: int) -> list[int]:
 
 
 @pytest.mark.distributed
+@pytest.mark.slow
 def test_worker_killed_mid_save_exits_with_cause_and_resumes(
     tmp_path: Path, inputs: dict[str, Path], write_plan: Any
 ) -> None:

@@ -62,6 +62,7 @@ nodes:
 
 
 @pytest.mark.distributed
+@pytest.mark.slow
 def test_two_nodes_train_one_plan(tmp_path: Path, inputs: dict[str, Path]) -> None:
     """Both nodes' commands at once, on this machine: node rank 0 reports the run (its
     rank 0 writes the record), node rank 1 says that it finished and who reports."""

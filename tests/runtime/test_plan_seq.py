@@ -24,6 +24,7 @@ def _launch(plan: Path, model: Path, cluster: Path, data: Path) -> subprocess.Co
 
 
 @pytest.mark.distributed
+@pytest.mark.slow
 def test_launch_takes_the_plans_sequence_length(
     tmp_path: Path, inputs: dict[str, Path], write_plan: Any
 ) -> None:

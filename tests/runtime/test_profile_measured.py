@@ -202,6 +202,7 @@ def test_deferred_zero3_syncs_each_measured_layer_once_a_step(
         assert st.grad_sync_s == pytest.approx(want)
 
 
+@pytest.mark.slow
 def test_profile_with_links_measures_gloo(
     inputs: dict[str, Path], tmp_path: Path, write_plan: Any
 ) -> None:

@@ -95,6 +95,7 @@ def _reference(micro: tuple[int, ...] = (MICRO_BATCHES, MICRO_BATCHES)) -> list:
 
 
 @pytest.mark.distributed
+@pytest.mark.slow
 def test_deferred_stage_syncs_zero3_layers_once_per_step(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -119,6 +120,7 @@ def test_deferred_stage_syncs_zero3_layers_once_per_step(
 
 
 @pytest.mark.distributed
+@pytest.mark.slow
 def test_deferred_zero3_lines_up_unequal_micro_batch_counts(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -47,6 +47,7 @@ def test_single_type_bound_below_every_ranked_plan(name, batch):
                 assert lb <= est.iteration_time_s * (1 + 1e-12), (offer.name, nodes, plan)
 
 
+@pytest.mark.slow
 def test_mix_bound_below_the_heterogeneous_plans_on_sampled_mixes():
     rng = random.Random(7)
     model = load_model("gpt2")

@@ -151,6 +151,7 @@ def _fewest_stages(plan):
     return min(len(p.stages) for p in plan.pipelines)
 
 
+@pytest.mark.slow
 def test_floors_below_the_heterogeneous_plans_on_sampled_mixes():
     """Two-type mixes of the small market and of single-GPU nodes: every ranked
     heterogeneous plan is at least the coupled floor with the type-aware one, with as many

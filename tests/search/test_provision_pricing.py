@@ -102,6 +102,7 @@ FIG = {"purchase_usd_per_gpu": 20_000, "lifetime_years": 4, "utilisation": 0.5,
 OWNED_HOURLY = 20_000 / 17_520 + 0.036
 
 
+@pytest.mark.slow
 def test_owned_node_counts_are_a_choice_against_exhaustive_enumeration():
     """Three owned A100 nodes and one rentable H100 node: every count of owned nodes (1 to
     3, first ones first), alone and with the H100s, planned one by one here; the search's

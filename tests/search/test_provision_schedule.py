@@ -169,6 +169,7 @@ def test_floors_below_every_ranked_homogeneous_plan(name, batch):
                 assert lb <= est.iteration_time_s * (1 + 1e-12), (offer.name, nodes, plan)
 
 
+@pytest.mark.slow
 def test_floors_below_the_heterogeneous_plans_on_sampled_mixes():
     """Two-type mixes of the small market: every ranked heterogeneous plan is at least the
     floors of its types (collectives and drain)."""

@@ -126,6 +126,7 @@ def _a100_t4_spot_market(nodes: int, rates: tuple[float, float]):
     )  # fmt: skip
 
 
+@pytest.mark.slow
 def test_spot_provisioning_bounds_hold_and_use_the_plan_checkpoint():
     """Every planned spot point (single types and mixes, nothing pruned) is at least the
     bound the search held for it, and its time is the on-demand time stretched by the
@@ -224,6 +225,7 @@ def test_idle_nodes_never_lower_the_slowdown_by_hand():
         assert both >= alone * (1 - 1e-12) or math.isinf(both)
 
 
+@pytest.mark.slow
 def test_spot_mixes_front_is_the_same_with_every_plan_of_every_mix(monkeypatch):
     """Provisioning's mixes are searched only for plans using every node, without the
     single-type baseline (a plan leaving a node idle, a whole type included, is the smaller

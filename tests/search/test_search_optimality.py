@@ -975,6 +975,7 @@ PROVISION_CASES = [  # every one failed at a5c74f7 (gaps of 1% to 27%); they pas
 
 
 @pytest.mark.parametrize("case", PROVISION_CASES, ids=lambda c: c.name().split()[0])
+@pytest.mark.slow
 def test_provisioning_recommends_the_exhaustive_best(case):
     out = run_provision(case)
     assert out.brute.fitting > 0

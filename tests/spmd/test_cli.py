@@ -59,6 +59,7 @@ def test_lazy_package_attributes_resolve() -> None:
     assert hetplan.spmd.synthesize is synthesize
 
 
+@pytest.mark.slow
 def test_bad_options_are_one_line_before_any_rank_starts(tmp_path, monkeypatch) -> None:
     """Through the installed console script: each user error is one line naming the option,
     exit 2 (they were tracebacks, or pages of them from every rank under torchrun); run

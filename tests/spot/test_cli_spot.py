@@ -64,6 +64,7 @@ def test_synth_writes_a_trace_simulate_reads(tmp_path):
     assert out.read_text() == before
 
 
+@pytest.mark.slow
 def test_simulate_without_a_pool_prices_the_built_in_market():
     """A trace of named GPU types needs no --cluster: the built-in market (provision's
     default) prices it, as --market with the shipped file does; both options at once are
