@@ -16,6 +16,7 @@ from rich.console import Console
 from rich.table import Table
 
 from hetplan.cluster import load_cluster, parse_inline_cluster
+from hetplan.collector import pace_collector
 from hetplan.cost.estimate_result import Estimate
 from hetplan.cost.params import default_params
 from hetplan.model import ModelSpec, load_model
@@ -117,6 +118,7 @@ def measured(model: ModelSpec, cluster_spec: str, batch: int) -> tuple[HeteroRes
 
 def main() -> None:
     """Runs the benchmark and prints its tables."""
+    pace_collector()  # as the command line paces it: the figures are the commands'
     ap = argparse.ArgumentParser()
     ap.add_argument("--cases", type=int, default=50)
     ap.add_argument("--large", action="store_true")

@@ -18,6 +18,7 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
+from hetplan.collector import pace_collector
 from hetplan.market import Offer, load_market, market_from_dict
 from hetplan.model import load_model
 from hetplan.search.provision import provision
@@ -488,6 +489,7 @@ def main() -> None:
     command on the default market with --time-limit LIMIT, or none; --floor-gaps: best
     plan over floor per offer and GPU count; --mix-searches N: N sampled live mixes
     searched; --only: none of the default tables)."""
+    pace_collector()  # as the command line paces it: the figures are the commands'
     console = Console(width=200)
     quick = "--quick" in sys.argv
     only = "--only" in sys.argv

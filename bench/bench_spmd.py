@@ -25,6 +25,7 @@ import torch
 import yaml
 
 from hetplan.cluster import cluster_from_dict
+from hetplan.collector import pace_collector
 from hetplan.spmd import examples
 from hetplan.spmd.capture import capture
 from hetplan.spmd.cli import plan_module
@@ -103,6 +104,7 @@ def measured_step(cluster: str, program: str, steps: int) -> tuple[float, str]:
 
 def main() -> None:
     """Runs the bench and prints the two tables."""
+    pace_collector()  # as the command line paces it: the figures are the commands'
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=12)
     ap.add_argument("--steps", type=int, default=12)
