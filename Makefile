@@ -37,8 +37,9 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy
 
-# every core: the suite takes 11 min on CI's 2 cores (16.6 min on one); a test group that
-# shares files (the README's tour) stays on one worker
+# every core: about 12 min of pytest on CI's 2 cores, the tests marked slow handed out
+# first (tests/conftest.py); a test group that shares files (the README's tour) stays on
+# one worker
 unit: $(STAMP)
 	$(BIN)/pytest -n auto --dist loadgroup
 
