@@ -11,10 +11,9 @@ rule needs replicated is either stored replicated (gradient all-reduce) or ZeRO-
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -257,7 +256,7 @@ class Space(Converter):
             hit = [
                 s
                 if all(last[t] > i for t, _ in s.updates)
-                else dataclasses.replace(s, updates=tuple(u for u in s.updates if last[u[0]] > i))
+                else replace(s, updates=tuple(u for u in s.updates if last[u[0]] > i))
                 for r in self.rules[i]
                 for s in self._steps(i, r, avail)
             ]
@@ -267,14 +266,13 @@ class Space(Converter):
     def successors(self, i: int, state: State) -> list[tuple[Step, State]]:
         """Returns every step from ``state`` at node ``i`` (``steps``) with the state after
         it (``advance``), the tensors that stay live read once for all of them."""
+        kept = self._kept(i, state)
+        return [(step, _after(kept, step)) for step in self.steps(i, dict(state))]
+
+    def _kept(self, i: int, state: State) -> dict[str, frozenset[Layout]]:
+        """Returns the tensors of ``state`` still used after node ``i``, in its order."""
         last = self.last_use
-        kept = {t: ls for t, ls in state if last[t] > i}
-        out = []
-        for step in self.steps(i, dict(state)):
-            live = kept.copy()
-            live.update(step.updates)
-            out.append((step, tuple(live.items())))
-        return out
+        return {t: ls for t, ls in state if last[t] > i}
 
     def _resolve(
         self, node: GNode, rule: Rule, avail: dict[str, frozenset[Layout]]
@@ -477,7 +475,12 @@ class Space(Converter):
     def advance(self, i: int, state: State, step: Step) -> State:
         """Returns the state after ``step`` at node ``i``, dropping dead tensors (the step's
         own updates hold only tensors used after node ``i``: ``steps``)."""
-        last = self.last_use
-        live = {t: ls for t, ls in state if last[t] > i}
-        live.update(step.updates)
-        return tuple(live.items())
+        return _after(self._kept(i, state), step)
+
+
+def _after(kept: dict[str, frozenset[Layout]], step: Step) -> State:
+    """Returns the state of the tensors ``kept`` once ``step`` has run: the layouts it
+    changes where they are, its node's tensor last."""
+    live = kept.copy()
+    live.update(step.updates)
+    return tuple(live.items())
